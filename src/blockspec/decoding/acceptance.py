@@ -1,0 +1,67 @@
+"""Verification rules: which drafted tokens the target keeps, and its bonus token.
+
+All three are lossless. Inputs: `target_logits` [k+1, V] from ONE target pass over
+[anchor, d_1..d_k] (row i is the target's distribution for the token after
+position i), the k draft tokens and, for probabilistic drafts, `draft_probs` [k, V]:
+exactly the distribution each draft token was sampled from.
+Each returns (accept_length, bonus_token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+
+
+def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+    """T = 0: keep the longest prefix equal to the target's argmax."""
+    target_tokens = target_logits.argmax(-1)
+    return _match_prefix(target_tokens, draft_tokens)
+
+
+def accept_by_matching_samples(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, int]:
+    """T > 0 with one-hot drafts (the reference rule).
+
+    Sample the target's own token at every position; a draft survives only if it
+    equals that sample. Each kept token is a genuine target sample given a prefix
+    that is itself the target's, so the output distribution is the target's.
+    """
+    target_tokens = sample(warp_probs(target_logits, params), generator)
+    return _match_prefix(target_tokens, draft_tokens)
+
+
+def accept_rejection_sampling(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """T > 0 with probabilistic drafts: accept x with min(1, p(x)/q(x)), else resample
+    from the residual max(0, p - q) normalised (Leviathan et al.; Chen et al.)."""
+    p = warp_probs(target_logits, params)
+    k = draft_tokens.shape[0]
+    positions = torch.arange(k)
+    p_draft = p[positions, draft_tokens]
+    q_draft = draft_probs[positions, draft_tokens]
+    uniforms = torch.rand(k, generator=generator)
+    # accept iff u < p/q  <=>  u * q < p (q > 0 for a token that was sampled from q)
+    accepted = (uniforms * q_draft < p_draft).int()
+    accept_length = int(accepted.cumprod(0).sum())
+    if accept_length < k:
+        residual = (p[accept_length] - draft_probs[accept_length]).clamp_min(0)
+        total = residual.sum()
+        # total == 0 only if p == q exactly, where rejection has probability 0.
+        residual = residual / total if total > 0 else p[accept_length]
+        return accept_length, int(sample(residual.view(1, -1), generator)[0])
+    return accept_length, int(sample(p[k].view(1, -1), generator)[0])
+
+
+def _match_prefix(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+    k = draft_tokens.shape[0]
+    matches = (target_tokens[:k] == draft_tokens).int()
+    accept_length = int(matches.cumprod(0).sum())
+    return accept_length, int(target_tokens[accept_length])

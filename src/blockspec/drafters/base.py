@@ -1,0 +1,43 @@
+"""The Drafter interface: the only thing the engine knows about a drafting method."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [k] proposed token ids (k may be smaller than asked, even 0)
+    # [k, V] the exact distribution each token was sampled from, or None for
+    # one-hot (deterministic) proposals.
+    probs: torch.Tensor | None = None
+
+
+class Drafter(ABC):
+    """begin on the prompt -> propose a block -> learn what was accepted -> repeat."""
+
+    name: str = "drafter"
+    #: target layers whose hidden states the drafter reads (empty: none needed)
+    target_layer_ids: tuple[int, ...] = ()
+    #: the largest block (anchor + drafts) the drafter supports; None = any
+    max_block_size: int | None = None
+
+    @abstractmethod
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        """Start a sequence: the prompt's ids [n] and its target features [n, F] (or None)."""
+
+    @abstractmethod
+    def propose(
+        self, token_ids: torch.Tensor, num_drafts: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        """Propose up to `num_drafts` tokens after `token_ids` (all committed tokens; the last
+        is the anchor). A sampling drafter draws from `generator`, the engine's one stream."""
+
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        """The verifier kept `committed_ids` (the anchor and the accepted drafts, which now
+        have target K/V) with their target features. Default: nothing to update."""

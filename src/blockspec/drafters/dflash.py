@@ -1,0 +1,366 @@
+"""DFlash: a block-diffusion drafter conditioned on the target's hidden features.
+
+A stack of Qwen3-style decoder layers with no embedding and no LM head of its own
+(it borrows the target's, frozen). The hidden states of a few target layers are
+fused by `fc` + `hidden_norm` into one context vector per committed position; in
+EVERY layer the keys/values are [proj(context) | proj(block)] with that layer's
+own k_proj / v_proj, so the drafter "sees" the target's view of the context.
+A block is [anchor, MASK x (B-1)]; attention inside it is bidirectional and the
+output at block position k predicts the token AT position start + k. One forward
+pass drafts the whole block. The context K/V are cached across iterations.
+
+Checkpoints are the reference format (config.json + model.safetensors) that vLLM
+(`method: "dflash"`) and SGLang (`DFLASH`) read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.drafters.base import Draft, Drafter
+from blockspec.errors import DrafterMismatchError, DrafterNotFoundError
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's choice: evenly from layer 1 to L-3 (one per draft layer)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+    target: dict = field(default_factory=dict)  # fingerprint of the target it was trained for
+
+    @classmethod
+    def for_target(cls, target, *, num_layers: int = 1, block_size: int = 16, mask_token_id: int | None = None,
+                   target_layer_ids: list[int] | None = None, intermediate_size: int | None = None) -> "DFlashConfig":
+        """A drafter shaped to fit `target` (a TargetAdapter)."""
+        tc = target.config
+        heads = tc.num_attention_heads
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or tc.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_layers,
+            target_layer_ids=target_layer_ids or default_target_layer_ids(target.num_layers, num_layers),
+            mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            block_size=block_size,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            rope_theta=target.rope_theta,
+            max_position_embeddings=target.max_context,
+            target=target.fingerprint(),
+        )
+
+    def to_hf_dict(self) -> dict:
+        """config.json in the reference format: a Qwen3 config plus the DFlash fields."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "torch_dtype": "float32",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "blockspec_target": self.target,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, data: dict) -> "DFlashConfig":
+        try:
+            dflash = data["dflash_config"]
+            heads = data["num_attention_heads"]
+            rope = data.get("rope_parameters") or {}
+            return cls(
+                hidden_size=data["hidden_size"],
+                intermediate_size=data["intermediate_size"],
+                num_hidden_layers=data["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=data.get("num_key_value_heads") or heads,
+                head_dim=data.get("head_dim") or data["hidden_size"] // heads,
+                vocab_size=data["vocab_size"],
+                num_target_layers=data["num_target_layers"],
+                target_layer_ids=list(dflash["target_layer_ids"]),
+                mask_token_id=int(dflash["mask_token_id"]),
+                block_size=int(data.get("block_size", 16)),
+                rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(data.get("rope_theta") or rope.get("rope_theta", 1e6)),
+                max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+                target=data.get("blockspec_target") or {},
+            )
+        except (KeyError, TypeError) as error:
+            raise DrafterMismatchError(f"config.json is not a DFlash drafter config: missing or bad field {error}") from None
+
+
+# --- the model ------------------------------------------------------------------
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def key_value(self, hidden: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V [b, kv_heads, n, d] of `hidden` [b, n, H]."""
+        b, n, _ = hidden.shape
+        k = self.k_norm(self.k_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(k, cos, sin), v
+
+    def forward(self, hidden, cos, sin, context_k, context_v, attn_mask=None):
+        b, n, _ = hidden.shape
+        q = self.q_norm(self.q_proj(hidden).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = _apply_rope(q, cos, sin)
+        block_k, block_v = self.key_value(hidden, cos, sin)
+        k = torch.cat([context_k, block_k], dim=2)
+        v = torch.cat([context_v, block_v], dim=2)
+        # No causal mask: the block attends to all its context and bidirectionally to itself.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, context_k, context_v, attn_mask=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, context_k, context_v, attn_mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter's own weights. Parameter names are the reference checkpoint's."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        feature_width = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(feature_width, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [b, 1, n, d] for absolute `positions` [b, n]."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def context_key_values(self, target_features: torch.Tensor, positions: torch.Tensor):
+        """Per layer (K, V) of the fused context: features [b, n, k*H] at `positions` [b, n]."""
+        context = self.hidden_norm(self.fc(target_features))
+        cos, sin = self.rope(positions, context.dtype)
+        return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds, block_positions, context_kv, attn_mask=None) -> torch.Tensor:
+        """Hidden states [b, q, H] (after the final norm) for the block embeddings [b, q, H]."""
+        cos, sin = self.rope(block_positions, block_embeds.dtype)
+        hidden = block_embeds
+        for layer, (context_k, context_v) in zip(self.layers, context_kv):
+            hidden = layer(hidden, cos, sin, context_k, context_v, attn_mask)
+        return self.norm(hidden)
+
+    # --- reference checkpoint format --------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write config.json + model.safetensors atomically (a reader sees all or nothing)."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+            save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+            (staging / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+            old = None
+            if directory.exists():
+                old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+                os.rename(directory, old)
+            os.rename(staging, directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "DFlashDraftModel":
+        directory = Path(directory)
+        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+        if not config_path.is_file() or not weights_path.is_file():
+            raise DrafterNotFoundError(f"{directory} is not a drafter folder (needs config.json and model.safetensors)")
+        try:
+            data = json.loads(config_path.read_text())
+        except json.JSONDecodeError as error:
+            raise DrafterMismatchError(f"{config_path} is not valid JSON: {error}") from None
+        if "DFlashDraftModel" not in (data.get("architectures") or []):
+            raise DrafterMismatchError(f"{config_path}: architectures {data.get('architectures')} is not DFlashDraftModel")
+        model = cls(DFlashConfig.from_hf_dict(data))
+        state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DrafterMismatchError(
+                f"{weights_path}: weight names do not match the DFlash format "
+                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
+            )
+        return model.eval()
+
+
+# --- the drafter in the engine ----------------------------------------------------
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, model: DFlashDraftModel, target, *, context_window: int | None = None,
+                 sample_drafts: bool = False):
+        """`context_window` caps the cached context (a sliding window for long prompts);
+        `sample_drafts` samples drafts from the drafter's own warped distribution at
+        T > 0 (verified by rejection sampling) instead of drafting greedily."""
+        check_fits(model.config, target)
+        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.target = target
+        self.target_layer_ids = tuple(model.config.target_layer_ids)
+        self.max_block_size = model.config.block_size
+        self.mask_token_id = model.config.mask_token_id
+        self.context_window = context_window
+        self.sample_drafts = sample_drafts
+        self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._context_len = 0  # positions seen so far (the window may hold fewer)
+
+    @torch.inference_mode()
+    def _extend_context(self, features: torch.Tensor) -> None:
+        n = features.shape[0]
+        positions = torch.arange(self._context_len, self._context_len + n, device=features.device)[None]
+        new_kv = self.model.context_key_values(features[None].to(self.target.dtype), positions)
+        if self._context_kv:
+            new_kv = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                      for (k, v), (nk, nv) in zip(self._context_kv, new_kv)]
+        if self.context_window is not None:
+            # RoPE is already applied at absolute positions, so dropping the oldest entries is exact.
+            new_kv = [(k[:, :, -self.context_window:], v[:, :, -self.context_window:]) for k, v in new_kv]
+        self._context_kv = new_kv
+        self._context_len += n
+
+    def begin(self, prompt_ids, prompt_features) -> None:
+        self._context_kv, self._context_len = [], 0
+        self._extend_context(prompt_features)
+
+    @torch.inference_mode()
+    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
+        start = token_ids.numel() - 1  # position of the anchor
+        block = torch.full((num_drafts + 1,), self.mask_token_id, dtype=torch.long)
+        block[0] = token_ids[-1]
+        block = block.to(self.target.device)
+        positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
+        hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
+        logits = self.target.lm_head(hidden[0, 1:]).float()  # same-position prediction
+        if self.sample_drafts and not params.greedy:
+            probs = warp_probs(logits, params)
+            return Draft(tokens=sample(probs, generator).cpu(), probs=probs.cpu())
+        return Draft(tokens=logits.argmax(-1).cpu())
+
+    def accept(self, committed_ids, committed_features) -> None:
+        self._extend_context(committed_features)
+
+
+def check_fits(config: DFlashConfig, target) -> None:
+    """Raise DrafterMismatchError naming exactly what does not fit `target`."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
+    if config.num_target_layers != target.num_layers:
+        problems.append(f"num_target_layers {config.num_target_layers} != target's {target.num_layers}")
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad_ids:
+        problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")
+    if not 0 <= config.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} outside the target's vocabulary")
+    recorded = config.target.get("tokenizer_sha256")
+    if recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
+        problems.append(f"trained for a different tokenizer (target {config.target.get('name')!r})")
+    if problems:
+        raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
+
+
+def load_dflash(directory, target, **options) -> DFlashDrafter:
+    return DFlashDrafter(DFlashDraftModel.from_pretrained(directory), target, **options)

