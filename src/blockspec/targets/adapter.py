@@ -52,6 +52,10 @@ class TargetAdapter:
         self.dtype = next(model.parameters()).dtype
         self.eos_token_ids: tuple[int, ...] = _eos_ids(model, tokenizer)
         self.cache: DynamicCache | None = None
+        # With sliding-window layers, only the tokens of the passes since the last
+        # rollback can be removed (older ones left the window for good).
+        self._rollback_floor = 0
+        self._has_sliding_layers = False
 
     # --- what drafters borrow -------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -73,16 +77,18 @@ class TargetAdapter:
 
     def fingerprint(self) -> dict:
         """What a drafter records about the target it was trained for, and checks at load."""
-        vocab = self.tokenizer.get_vocab()
-        digest = hashlib.sha256()
-        for token, index in sorted(vocab.items(), key=lambda item: item[1]):
-            digest.update(f"{index}\t{token}\n".encode())
+        tokenizer_sha256 = None
+        if self.tokenizer is not None:
+            digest = hashlib.sha256()
+            for token, index in sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1]):
+                digest.update(f"{index}\t{token}\n".encode())
+            tokenizer_sha256 = digest.hexdigest()
         return {
             "name": self.name,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
-            "tokenizer_sha256": digest.hexdigest(),
+            "tokenizer_sha256": tokenizer_sha256,
         }
 
     # --- decoding on a KV cache ----------------------------------------------
@@ -92,6 +98,8 @@ class TargetAdapter:
         # Sliding-window layers (Gemma 3) otherwise drop states as soon as they
         # leave the window and can no longer be cropped: keep them until we crop.
         self.cache.activate_past_recording()
+        self._has_sliding_layers = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+        self._rollback_floor = 0
 
     @property
     def seq_len(self) -> int:
@@ -118,7 +126,15 @@ class TargetAdapter:
         return TargetOutput(logits=out.logits[0].float(), features=features)
 
     def rollback(self, length: int) -> None:
+        """Keep the first `length` positions. Call it after every forward (it also trims
+        sliding-window layers); it can remove any tokens of the passes since the last call."""
+        if self._has_sliding_layers and length < self._rollback_floor:
+            raise ValueError(
+                f"cannot roll back to {length}: sliding-window layers only keep the tokens added since "
+                f"the last rollback (at {self._rollback_floor})"
+            )
         crop_cache_to_length(self.cache, length)
+        self._rollback_floor = length
 
     # --- text -----------------------------------------------------------------
     @property

@@ -1,0 +1,87 @@
+"""T=0: the engine's output is token-identical to transformers' greedy generate."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from blockspec.decoding.engine import SpecEngine
+from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
+from blockspec.drafters.prompt_lookup import PromptLookupDrafter
+from conftest import ARCHITECTURES, OracleDrafter, assert_same_or_near_tie, hf_greedy, tiny_target
+
+PROMPTS = {"len1": [7], "len6": [5, 17, 33, 2, 9, 40], "len23": [(i * 37 + 11) % 90 + 2 for i in range(23)]}
+MAX_NEW = 40
+EOS = (1,)
+
+
+@functools.lru_cache(maxsize=None)
+def target_for(arch):
+    return tiny_target(arch)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch, prompt_name, max_new=MAX_NEW, eos=EOS):
+    return hf_greedy(target_for(arch).model, PROMPTS[prompt_name], max_new, eos)
+
+
+def make_drafter(kind, target, prompt, ref, seed=0):
+    if kind == "none":
+        return None
+    if kind == "prompt-lookup":
+        return PromptLookupDrafter()
+    if kind == "oracle":
+        return OracleDrafter(list(prompt) + [ref[0]] + ref[1:], seed=seed, vocab_size=target.vocab_size)
+    if kind == "dflash":  # random weights: low acceptance, stresses rollback
+        torch.manual_seed(seed)
+        config = DFlashConfig.for_target(target, num_layers=2, block_size=16, mask_token_id=target.vocab_size - 1)
+        return DFlashDrafter(DFlashDraftModel(config), target)
+    raise ValueError(kind)
+
+
+def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS):
+    engine = SpecEngine(target, drafter, block)
+    return [t for chunk in engine.generate(prompt, max_new_tokens=max_new, stop_token_ids=stop) for t in chunk]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "oracle"])
+@pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+def test_greedy_identity(arch, kind, block, prompt_name):
+    target = target_for(arch)
+    prompt = PROMPTS[prompt_name]
+    ref = reference(arch, prompt_name)
+    ours = run(target, make_drafter(kind, target, prompt, ref), block, prompt)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["prompt-lookup", "dflash", "oracle"])
+def test_eos_mid_block(arch, kind):
+    """An EOS that the verifier accepts in the middle of a block ends the output there."""
+    target = target_for(arch)
+    prompt = PROMPTS["len6"]
+    free = reference(arch, "len6", 60, (-1,))  # no EOS: the continuation to pick one from
+    index = next(i for i in range(5, len(free)) if free[i] not in free[:i])
+    eos = (free[index],)
+    ref = hf_greedy(target.model, prompt, 60, eos)
+    assert ref[-1] == eos[0] and len(ref) == index + 1
+    drafter = make_drafter(kind, target, prompt, free)
+    if kind == "oracle":
+        drafter.corrupt_prob = 0.0  # drafts run THROUGH the EOS: it lands mid-block
+    ours = run(target, drafter, 8, prompt, max_new=60, stop=eos)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("max_new", [1, 2, 13, 17])
+def test_max_new_tokens_mid_block(arch, max_new):
+    target = target_for(arch)
+    prompt = PROMPTS["len6"]
+    free = reference(arch, "len6", 60, (-1,))
+    drafter = OracleDrafter(prompt + free, corrupt_prob=0.0)
+    ours = run(target, drafter, 8, prompt, max_new=max_new, stop=(-1,))
+    assert ours == free[:max_new]

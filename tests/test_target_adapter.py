@@ -1,0 +1,83 @@
+"""The adapter: the layer-id convention and cache rollback (including past a sliding window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from blockspec.targets.adapter import crop_cache_to_length
+from conftest import ARCHITECTURES, tiny_target
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_layer_id_is_output_of_decoder_layer(arch):
+    """Layer id i = OUTPUT of decoder layer i (= hidden_states[i + 1]), pinned by a hook."""
+    target = tiny_target(arch)
+    captured = {}
+    layers = target.model.model.layers
+    hooks = [layer.register_forward_hook(lambda m, args, out, i=i: captured.__setitem__(i, out))
+             for i, layer in enumerate(layers)]
+    ids = torch.tensor([3, 9, 27, 4, 15])
+    target.reset()
+    layer_ids = (0, 1, 2)  # the last layer's entry is post-final-norm in transformers: not used by drafters
+    out = target.forward(ids, layer_ids)
+    for hook in hooks:
+        hook.remove()
+    hidden = target.hidden_size
+    for slot, layer_id in enumerate(layer_ids):
+        layer_out = captured[layer_id]
+        layer_out = layer_out[0] if isinstance(layer_out, tuple) else layer_out
+        torch.testing.assert_close(out.features[:, slot * hidden:(slot + 1) * hidden], layer_out[0], rtol=0, atol=0)
+
+
+def test_crop_zero_tokens_is_a_noop():
+    target = tiny_target("llama")
+    target.reset()
+    target.forward(torch.arange(2, 12))
+    keys = [layer.keys.clone() for layer in target.cache.layers]
+    crop_cache_to_length(target.cache, 10)
+    assert target.seq_len == 10
+    for before, layer in zip(keys, target.cache.layers):
+        assert torch.equal(before, layer.keys)
+    crop_cache_to_length(target.cache, 7)
+    assert target.seq_len == 7
+    with pytest.raises(ValueError):
+        crop_cache_to_length(target.cache, 8)
+
+
+def test_crop_on_an_empty_cache():
+    cache = DynamicCache()
+    crop_cache_to_length(cache, 0)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rollback_then_continue_matches_one_pass(arch):
+    """Prefill 14, verify blocks that are partly rejected, continue to 30: the logits
+    equal a single full forward. Gemma 3's window is 8: rollbacks happen far past it."""
+    target = tiny_target(arch)
+    sequence = torch.tensor([(i * 13 + 5) % 90 + 2 for i in range(30)])
+    with torch.inference_mode():
+        full = target.model(sequence[None]).logits[0]
+    target.reset()
+    target.forward(sequence[:14])
+    target.rollback(14)
+    outputs = []
+    for start, accepted in [(14, 3), (17, 1), (18, 5), (23, 7)]:
+        block = torch.cat([sequence[start:start + accepted], torch.tensor([50, 51, 52])])  # 3 rejected drafts
+        outputs.append(target.forward(block).logits[:accepted])
+        target.rollback(start + accepted)
+    torch.testing.assert_close(torch.cat(outputs), full[14:30], rtol=1e-4, atol=1e-4)
+    target.forward(torch.tensor([60, 61]))  # a fully rejected block
+    target.rollback(30)
+    target.rollback(30)  # zero tokens removed: a no-op
+    assert target.seq_len == 30
+    last = target.forward(torch.tensor([70])).logits
+    with torch.inference_mode():
+        expected = target.model(torch.cat([sequence, torch.tensor([70])])[None]).logits[0, -1:]
+    torch.testing.assert_close(last, expected, rtol=1e-4, atol=1e-4)
+    target.rollback(31)
+    if arch == "gemma3":
+        with pytest.raises(ValueError, match="sliding-window"):
+            target.rollback(25)
