@@ -50,9 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     import blockspec
+    from blockspec.decoding.sampling import SamplingParams
 
+    # Check what needs no model before loading one: bad input fails in milliseconds.
     if args.block_size is not None and args.block_size < 1:
         raise blockspec.InvalidArgumentError(f"block size must be >= 1, got {args.block_size}")
+    if args.max_new_tokens < 1:
+        raise blockspec.InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise blockspec.InvalidArgumentError("the prompt is empty")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
                              context_window=args.context_window)

