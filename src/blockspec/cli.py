@@ -45,6 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.set_defaults(run=_generate)
+
+    data = commands.add_parser("data", help="build a training set whose responses the target regenerates")
+    data.add_argument("--output", required=True, help="folder for the shards (rerun to resume)")
+    data.add_argument("--target", default="default")
+    data.add_argument("--prompts", default=None, help="JSONL file, datasets name or local dataset folder")
+    data.add_argument("--split", default="train")
+    data.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts of --prompts")
+    data.add_argument("--synthesize", type=int, default=0, help="add N prompts written by the target itself")
+    data.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    data.add_argument("--temperature", type=float, default=0.0)
+    data.add_argument("--batch-size", type=_positive_int, default=16)
+    data.add_argument("--shard-size", type=_positive_int, default=64)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--threads", type=_positive_int, default=None)
+    data.set_defaults(run=_data)
+
+    train = commands.add_parser("train", help="train a DFlash drafter (options: --key value, see TrainConfig)")
+    train.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
+    train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
+    train.set_defaults(run=_train)
     return parser
 
 
@@ -82,9 +102,37 @@ def _generate(args) -> int:
     return 0
 
 
+def _data(args) -> int:
+    from blockspec.targets.loading import load_target
+    from blockspec.training.data import DataConfig, build_dataset
+
+    config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
+                        synthesize=args.synthesize, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
+                        seed=args.seed)
+    build_dataset(load_target(args.target, threads=args.threads), config)
+    return 0
+
+
+def _train(args) -> int:
+    from blockspec.targets.loading import load_target
+    from blockspec.training.config import TrainConfig, load_config
+    from blockspec.training.trainer import DFlashTrainer
+
+    config = load_config(TrainConfig, args.config, args.overrides)
+    if not config.data:
+        raise BlockspecError("train needs --data FOLDER (built by `blockspec data`)")
+    target = load_target(config.target, threads=config.threads)
+    DFlashTrainer(config, target).run(resume=args.resume)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 

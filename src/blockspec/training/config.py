@@ -1,0 +1,92 @@
+"""One typed config per command: a JSON file plus `--key value` overrides; unknown keys are errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blockspec.errors import InvalidArgumentError
+
+
+@dataclass
+class TrainConfig:
+    # what to train, for which target, on what
+    target: str = "default"
+    data: str = ""  # a folder written by `blockspec data`
+    output: str = "runs/dflash"
+    # drafter shape
+    num_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None: the reference rule for num_layers
+    mask_token_id: int | None = None  # None: an unused special token of the target
+    intermediate_size: int | None = None  # None: the target's
+    # the recipe (reference section 3)
+    num_anchors: int = 16  # blocks per sequence per step, resampled every step
+    gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    max_length: int = 1024
+    batch_size: int = 4
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    epochs: int = 6
+    max_steps: int | None = None  # stop early (the schedule still spans `epochs`)
+    grad_clip: float = 1.0
+    seed: int = 0
+    # bookkeeping
+    holdout: int = 8  # records kept out of training, for evaluation
+    eval_every: int = 100
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 64
+    save_every: int = 50
+    threads: int | None = None
+
+    def resolved_gamma(self) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size / 2.3))
+
+
+def _convert(text: str, annotation):
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+        if text.lower() in ("none", "null"):
+            return None
+        return _convert(text, args[0])
+    if origin is list:
+        return [int(x) for x in text.replace(",", " ").split()]
+    if annotation is bool:
+        return text.lower() in ("1", "true", "yes")
+    return annotation(text)
+
+
+def load_config(cls, path: str | None, overrides: list[str]):
+    """Build `cls` from an optional JSON file, then `--key value` overrides."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values: dict = {}
+    if path:
+        try:
+            values.update(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as error:
+            raise InvalidArgumentError(f"cannot read config {path}: {error}") from None
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise InvalidArgumentError(f"unknown config keys in {path}: {', '.join(unknown)}")
+    items = list(overrides)
+    while items:
+        key = items.pop(0)
+        if not key.startswith("--") or not items:
+            raise InvalidArgumentError(f"overrides must be --key value pairs, got {key!r}")
+        name = key[2:].replace("-", "_")
+        if name not in fields:
+            raise InvalidArgumentError(f"unknown option {key}: valid keys are {', '.join(fields)}")
+        raw = items.pop(0)
+        try:
+            values[name] = _convert(raw, hints[name])
+        except ValueError:
+            raise InvalidArgumentError(f"bad value for {key}: {raw!r}") from None
+    return cls(**values)

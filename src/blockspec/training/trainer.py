@@ -1,0 +1,341 @@
+"""The DFlash training recipe (reference section 3), on one CPU or under torchrun/DDP.
+
+Per step, per sequence: sample up to `num_anchors` anchors among the response
+tokens (seeded per sample, so runs reproduce whatever the process count). Each
+anchor a gives a block [x_a, MASK x (B-1)] at positions a..a+B-1 whose labels are
+x[a+k], k = 1..B-1, weighted exp(-(k-1)/gamma). All blocks of a sequence train in
+ONE pass: a block sees the target features of positions strictly before its
+anchor, itself bidirectionally, and no other block. Only the drafter trains; the
+target's embedding and LM head are borrowed frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.stats import GenerationStats
+from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
+from blockspec.errors import InvalidArgumentError
+from blockspec.training.config import TrainConfig
+from blockspec.training.data import load_records
+
+IGNORE = -100
+
+
+def choose_mask_token(target) -> int:
+    """An id inside the target's vocabulary that text never uses: the tokenizer's mask
+    token, else its last special token that is not BOS/EOS/PAD/UNK or in the chat template."""
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        return target.vocab_size - 1
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    busy = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    busy |= set(target.eos_token_ids)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    candidates = [i for i, tok in decoder.items()
+                  if i not in busy and str(tok) not in template and i < target.vocab_size]
+    return max(candidates) if candidates else target.vocab_size - 1
+
+
+def sample_anchors(prompt_len: int, length: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Distinct sorted anchor positions among response tokens that have at least one label."""
+    candidates = torch.arange(prompt_len, length - 1)
+    if candidates.numel() == 0:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+    return candidates[pick].sort().values
+
+
+def build_blocks(sequences: list[torch.Tensor], anchors: list[torch.Tensor], block_size: int, mask_token_id: int,
+                 context_len: int):
+    """Block inputs, positions, labels and the block-sparse attention mask for a batch.
+
+    Returns block_ids, positions, labels [b, A*B] and a bool mask [b, 1, A*B, context_len + A*B]
+    (True = may attend). Missing anchors are padding: no labels, and they see only themselves.
+    """
+    batch = len(sequences)
+    num_blocks = max(1, max(a.numel() for a in anchors))
+    width = num_blocks * block_size
+    block_ids = torch.full((batch, width), mask_token_id, dtype=torch.long)
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    labels = torch.full((batch, width), IGNORE, dtype=torch.long)
+    mask = torch.zeros(batch, 1, width, context_len + width, dtype=torch.bool)
+    offsets = torch.arange(block_size)
+    block_of = torch.arange(width) // block_size
+    same_block = block_of[:, None] == block_of[None, :]
+    mask[:, 0, :, context_len:] = same_block
+    for row, (sequence, row_anchors) in enumerate(zip(sequences, anchors)):
+        for index, anchor in enumerate(row_anchors.tolist()):
+            span = slice(index * block_size, (index + 1) * block_size)
+            block_ids[row, index * block_size] = sequence[anchor]
+            positions[row, span] = anchor + offsets
+            targets = anchor + offsets[1:]
+            valid = targets < sequence.numel()
+            labels[row, index * block_size + 1:(index + 1) * block_size] = torch.where(
+                valid, sequence[targets.clamp(max=sequence.numel() - 1)], IGNORE)
+            mask[row, 0, span, :anchor] = True  # context strictly before the anchor
+    return block_ids, positions, labels, mask
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Weight of each block position: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+class DFlashTrainer:
+    def __init__(self, config: TrainConfig, target, records: list[dict] | None = None):
+        if config.block_size < 2:
+            raise InvalidArgumentError("block_size must be >= 2 to train a drafter")
+        self.config = config
+        self.target = target
+        for parameter in target.model.parameters():
+            parameter.requires_grad_(False)  # frozen: only the drafter trains
+        records = records if records is not None else load_records(config.data)
+        order = list(range(len(records)))
+        random.Random(config.seed).shuffle(order)
+        holdout = min(config.holdout, max(0, len(records) - 1))
+        self.eval_records = [records[i] for i in order[:holdout]]
+        self.train_records = [records[i] for i in order[holdout:]]
+        if not self.train_records:
+            raise InvalidArgumentError("no training records")
+        mask_token_id = config.mask_token_id if config.mask_token_id is not None else choose_mask_token(target)
+        torch.manual_seed(config.seed)
+        drafter_config = DFlashConfig.for_target(
+            target, num_layers=config.num_layers, block_size=config.block_size, mask_token_id=mask_token_id,
+            target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
+        self.model = DFlashDraftModel(drafter_config)
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.ddp_model = self.model
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo" if target.device.type == "cpu" else "nccl")
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.steps_per_epoch = math.ceil(len(self.train_records) / config.batch_size)
+        self.total_steps = self.steps_per_epoch * config.epochs
+        warmup = max(1, int(config.warmup_ratio * self.total_steps))
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, self.total_steps - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.weights = loss_weights(config.block_size, config.resolved_gamma())
+        self.step = 0
+        self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
+        self.output = Path(config.output)
+
+    # --- data ----------------------------------------------------------------------
+    def _sequence(self, record: dict) -> tuple[torch.Tensor, int]:
+        ids = (record["prompt_ids"] + record["response_ids"])[: self.config.max_length]
+        return torch.tensor(ids, dtype=torch.long), min(len(record["prompt_ids"]), len(ids))
+
+    @torch.inference_mode()
+    def _target_features(self, indices: list[int]) -> list[torch.Tensor]:
+        missing = [i for i in indices if i not in self._features]
+        if missing:
+            sequences = [self._sequence(self.train_records[i])[0] for i in missing]
+            width = max(s.numel() for s in sequences)
+            ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
+            attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
+            out = self.target.model(input_ids=ids.to(self.target.device), attention_mask=attention.to(self.target.device),
+                                    output_hidden_states=True, logits_to_keep=1)
+            layer_ids = self.model.config.target_layer_ids
+            stacked = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            for row, index in enumerate(missing):
+                self._features[index] = stacked[row, : sequences[row].numel()].clone()
+        return [self._features[i] for i in indices]
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The global batch of `step` (a pure function of seed and step: resumable)."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(len(self.train_records), generator=torch.Generator().manual_seed(self.config.seed + epoch))
+        size = self.config.batch_size
+        return order[position * size:(position + 1) * size].tolist()
+
+    # --- one step ------------------------------------------------------------------
+    def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
+        config = self.config
+        sequences, prompt_lens = zip(*(self._sequence(self.train_records[i]) for i in indices))
+        anchors = []
+        for index, sequence, prompt_len in zip(indices, sequences, prompt_lens):
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 100_003 + index)
+            anchors.append(sample_anchors(prompt_len, sequence.numel(), config.num_anchors, generator))
+        features = self._target_features(list(indices))
+        context_len = max(s.numel() for s in sequences)
+        context = torch.stack([F.pad(f, (0, 0, 0, context_len - f.shape[0])) for f in features])
+        block_ids, positions, labels, mask = build_blocks(list(sequences), anchors, config.block_size,
+                                                          self.model.config.mask_token_id, context_len)
+        device = self.target.device
+        context_kv = self.ddp_model.module.context_key_values if self.world_size > 1 else self.model.context_key_values
+        kv = context_kv(context.to(device), torch.arange(context_len, device=device).expand(len(indices), -1))
+        with torch.no_grad():
+            embeds = self.target.embed(block_ids.to(device))
+        hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
+        weights = self.weights.repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
+        valid = labels != IGNORE
+        logits = self.target.lm_head(hidden[valid]).float()  # only rows with a label
+        per_token = F.cross_entropy(logits, labels[valid].to(device), reduction="none")
+        w = weights[valid].to(device)
+        loss = (per_token * w).sum() / w.sum().clamp_min(1e-8)
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels[valid].to(device)).float()
+        return loss, {"loss": float(loss.detach()), "acc": float(correct.mean()) if correct.numel() else 0.0}
+
+    def train_step(self) -> dict:
+        indices = self.batch_indices(self.step)
+        if self.world_size > 1:  # each rank takes its share of the global batch
+            indices = indices[self.rank::self.world_size]
+        epoch = self.step // self.steps_per_epoch
+        self.ddp_model.train()
+        loss, metrics = self.compute_loss(indices, epoch)
+        self.optimizer.zero_grad(set_to_none=True)
+        # DDP averages gradients over ranks; scale so the global batch matches one process.
+        share = len(indices) / max(1, len(self.batch_indices(self.step)))
+        (loss * share * self.world_size).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        metrics.update(step=self.step, lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm))
+        return metrics
+
+    # --- evaluation ------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate_tau(self) -> float:
+        """Real acceptance length of the current drafter through the engine, held-out prompts."""
+        self.model.eval()
+        drafter = DFlashDrafter(self.model, self.target)
+        engine = SpecEngine(self.target, drafter, self.config.block_size)
+        committed = steps = 0
+        for record in self.eval_records[: self.config.eval_prompts]:
+            stats = GenerationStats(self.config.block_size)
+            for _ in engine.generate(record["prompt_ids"], max_new_tokens=self.config.eval_max_new_tokens, stats=stats):
+                pass
+            committed += stats.new_tokens - 1
+            steps += stats.steps
+        return committed / steps if steps else 0.0
+
+    # --- checkpoints -----------------------------------------------------------------
+    def save(self, name: str = "latest") -> Path:
+        """Drafter (reference format) + trainer state in one folder, swapped in atomically."""
+        final = self.output / name
+        self.output.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.output))
+        self.model.save_pretrained(staging / "drafter")
+        for item in (staging / "drafter").iterdir():
+            item.rename(staging / item.name)
+        (staging / "drafter").rmdir()
+        torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                    "config": asdict(self.config)}, staging / "trainer_state.pt")
+        old = self.output / f".{name}.old"
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def resume(self, name: str = "latest") -> bool:
+        folder = self.output / name
+        if not (folder / "trainer_state.pt").exists():
+            return False
+        restored = DFlashDraftModel.from_pretrained(folder)
+        self.model.load_state_dict(restored.state_dict())
+        state = torch.load(folder / "trainer_state.pt", weights_only=True)  # tensors and plain types only
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step = state["step"]
+        return True
+
+    # --- the run ---------------------------------------------------------------------
+    def run(self, resume: bool = False) -> Path:
+        config = self.config
+        log_path = self.output / "metrics.jsonl"
+        if resume and self.resume():
+            history = [json.loads(l) for l in log_path.read_text().splitlines() if l] if log_path.exists() else []
+            history = [h for h in history if h["step"] <= self.step]
+        else:
+            history = []
+        last_steps = min(self.total_steps, config.max_steps or self.total_steps)
+        is_main = self.rank == 0
+        if is_main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            (self.output / "train_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+        bar = tqdm(total=last_steps, initial=self.step, desc="training", unit="step", disable=not is_main)
+        started = time.perf_counter()
+        while self.step < last_steps:
+            metrics = self.train_step()
+            if is_main and config.eval_every and (self.step % config.eval_every == 0 or self.step == last_steps):
+                metrics["tau"] = self.evaluate_tau()
+            if is_main:
+                history.append(metrics)
+                _write_lines(log_path, history)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}",
+                                **({"tau": f"{metrics['tau']:.2f}"} if "tau" in metrics else {}))
+                if self.step % config.save_every == 0 or self.step == last_steps:
+                    self.save()
+            bar.update(1)
+        bar.close()
+        final = self.output / "final"
+        if is_main:
+            self.save("final")
+            plot_metrics(history, self.output / "metrics.png")
+            taus = [h["tau"] for h in history if "tau" in h]
+            print(f"trained {self.step} steps in {time.perf_counter() - started:.0f} s; "
+                  f"last loss {history[-1]['loss']:.3f}" + (f", held-out tau {taus[-1]:.2f}" if taus else "")
+                  + f"; drafter at {final}")
+        return final
+
+
+def _write_lines(path: Path, rows: list[dict]) -> None:
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(staging, path)
+
+
+def plot_metrics(history: list[dict], path: Path) -> None:
+    """Loss and held-out tau against steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, loss_axis = plt.subplots(figsize=(7, 4))
+    loss_axis.plot([h["step"] for h in history], [h["loss"] for h in history], color="tab:blue", lw=1)
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("weighted CE loss", color="tab:blue")
+    taus = [(h["step"], h["tau"]) for h in history if "tau" in h]
+    if taus:
+        tau_axis = loss_axis.twinx()
+        tau_axis.plot(*zip(*taus), "o-", color="tab:red")
+        tau_axis.set_ylabel("held-out tau", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

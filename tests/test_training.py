@@ -1,0 +1,96 @@
+"""The DFlash training recipe: block-sparse batches, the overfit gate, exact resume, typed config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.stats import GenerationStats
+from blockspec.drafters.dflash import DFlashDrafter
+from blockspec.errors import InvalidArgumentError
+from blockspec.training.config import TrainConfig, load_config
+from blockspec.training.trainer import IGNORE, DFlashTrainer, build_blocks, loss_weights, sample_anchors
+from conftest import hf_greedy, tiny_target
+
+
+def test_blocks_see_context_strictly_before_their_anchor_and_only_their_own_block():
+    sequence = torch.arange(100, 120)
+    anchors = torch.tensor([5, 12])
+    block_ids, positions, labels, mask = build_blocks([sequence], [anchors], 4, 99, context_len=20)
+    assert block_ids[0].tolist() == [105, 99, 99, 99, 112, 99, 99, 99]
+    assert positions[0].tolist() == [5, 6, 7, 8, 12, 13, 14, 15]
+    assert labels[0].tolist() == [IGNORE, 106, 107, 108, IGNORE, 113, 114, 115]
+    context, blocks = mask[0, 0, :, :20], mask[0, 0, :, 20:]
+    assert context[:4].sum(1).tolist() == [5] * 4 and context[:4, :5].all()
+    assert context[4:].sum(1).tolist() == [12] * 4 and context[4:, :12].all()
+    assert blocks[:4, :4].all() and blocks[4:, 4:].all() and not blocks[:4, 4:].any() and not blocks[4:, :4].any()
+    # labels past the end of the sequence are ignored
+    _, _, labels, _ = build_blocks([sequence], [torch.tensor([18])], 4, 99, context_len=20)
+    assert labels[0].tolist() == [IGNORE, 119, IGNORE, IGNORE]
+
+
+def test_anchors_are_response_tokens_with_a_label_and_reproducible():
+    draws = [sample_anchors(10, 30, 8, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])
+    assert draws[0].numel() == 8 and draws[0].min() >= 10 and draws[0].max() <= 28
+    assert len(set(draws[0].tolist())) == 8
+    assert sample_anchors(10, 11, 8, torch.Generator()).numel() == 0
+
+
+def test_loss_weights_decay_from_the_first_draft():
+    weights = loss_weights(16, 7.0)
+    assert weights[0] == 0 and weights[1] == 1.0
+    torch.testing.assert_close(weights[8], torch.tensor(float(torch.exp(torch.tensor(-1.0)))))
+
+
+def one_record(target, length=48):
+    prompt = [5, 17, 33, 2, 9, 40]
+    return {"prompt_ids": prompt, "response_ids": hf_greedy(target.model, prompt, length, (-1,))}
+
+
+def small_config(tmp_path, **overrides):
+    values = dict(data="unused", output=str(tmp_path / "run"), num_layers=1, block_size=8, num_anchors=16,
+                  batch_size=1, lr=3e-3, epochs=1, holdout=0, eval_every=0, save_every=1000, warmup_ratio=0.0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def test_overfit_gate_a_drafter_trained_on_one_sequence_drafts_it_whole(tmp_path):
+    target = tiny_target("llama")
+    record = one_record(target)
+    config = small_config(tmp_path, epochs=300)
+    trainer = DFlashTrainer(config, target, records=[record])
+    trainer.run()
+    drafter = DFlashDrafter(trainer.model.eval(), target)
+    stats = GenerationStats(8)
+    out = [t for c in SpecEngine(target, drafter, 8).generate(record["prompt_ids"], max_new_tokens=40,
+                                                               stop_token_ids=(-1,), stats=stats) for t in c]
+    assert out == record["response_ids"][:40]
+    assert stats.tau >= 7.0, stats.accept_hist
+
+
+def test_resume_is_bit_identical(tmp_path):
+    target = tiny_target("llama")
+    records = [one_record(target, 30), {"prompt_ids": [3, 4], "response_ids": list(range(10, 40))}]
+    straight = DFlashTrainer(small_config(tmp_path / "a", epochs=6, batch_size=1, holdout=0), target, records)
+    straight.run()
+    first = DFlashTrainer(small_config(tmp_path / "b", epochs=6, max_steps=5, save_every=5), target, records)
+    first.run()
+    resumed = DFlashTrainer(small_config(tmp_path / "b", epochs=6), target, records)
+    resumed.run(resume=True)
+    assert resumed.step == straight.step == 12
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert (tmp_path / "b" / "run" / "final" / "model.safetensors").exists()
+    assert (tmp_path / "b" / "run" / "metrics.png").exists()
+
+
+def test_config_rejects_unknown_keys(tmp_path):
+    assert load_config(TrainConfig, None, ["--block-size", "8", "--target-layer-ids", "1,2"]).target_layer_ids == [1, 2]
+    with pytest.raises(InvalidArgumentError, match="unknown option --blok-size"):
+        load_config(TrainConfig, None, ["--blok-size", "8"])
+    bad = tmp_path / "c.json"
+    bad.write_text('{"lr": 0.1, "learning_rate": 2}')
+    with pytest.raises(InvalidArgumentError, match="learning_rate"):
+        load_config(TrainConfig, str(bad), [])
