@@ -38,6 +38,13 @@ def make_drafter(kind, target, prompt, ref, seed=0):
         torch.manual_seed(seed)
         config = DFlashConfig.for_target(target, num_layers=2, block_size=16, mask_token_id=target.vocab_size - 1)
         return DFlashDrafter(DFlashDraftModel(config), target)
+    if kind == "dflash-reduced-vocab":  # a draft vocabulary of 24 of the 96 ids
+        torch.manual_seed(seed)
+        config = DFlashConfig.for_target(target, num_layers=1, block_size=16, mask_token_id=target.vocab_size - 1)
+        config.draft_vocab_size = 24
+        model = DFlashDraftModel(config)
+        model.d2t.copy_(torch.randperm(target.vocab_size)[:24].sort().values)
+        return DFlashDrafter(model, target)
     raise ValueError(kind)
 
 
@@ -47,7 +54,7 @@ def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "oracle"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle"])
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_identity(arch, kind, block, prompt_name):

@@ -73,10 +73,14 @@ def target():
     return tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
 
 
-def dflash(target, sample_drafts):
+def dflash(target, sample_drafts, draft_vocab=None):
     torch.manual_seed(1)
     config = DFlashConfig.for_target(target, num_layers=1, block_size=BLOCK, mask_token_id=VOCAB - 1)
-    return DFlashDrafter(DFlashDraftModel(config), target, sample_drafts=sample_drafts)
+    config.draft_vocab_size = len(draft_vocab) if draft_vocab else None
+    model = DFlashDraftModel(config)
+    if draft_vocab:
+        model.d2t.copy_(torch.tensor(draft_vocab))
+    return DFlashDrafter(model, target, sample_drafts=sample_drafts)
 
 
 @pytest.mark.parametrize(
@@ -85,10 +89,12 @@ def dflash(target, sample_drafts):
         ("one-hot drafts, accept on matching samples", SamplingParams(temperature=1.0)),
         ("sampled drafts, rejection sampling", SamplingParams(temperature=1.0)),
         ("sampled drafts, rejection sampling, top-k/top-p", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+        ("sampled drafts from a reduced draft vocabulary, rejection sampling", SamplingParams(temperature=1.0)),
     ],
 )
 def test_output_distribution_is_the_targets(target, rule, params):
-    engine = SpecEngine(target, dflash(target, sample_drafts=rule.startswith("sampled")), BLOCK)
+    draft_vocab = [0, 2, 3, 5, 6] if "reduced" in rule else None
+    engine = SpecEngine(target, dflash(target, rule.startswith("sampled"), draft_vocab), BLOCK)
     counts = empirical_joint(engine, params)
     probabilities = exact_joint(target, params)
     assert_same_distribution(counts, probabilities)

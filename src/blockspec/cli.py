@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
     train.set_defaults(run=_train)
+
+    bench = commands.add_parser("bench", help="speedup and acceptance of every method vs plain decoding")
+    bench.add_argument("--target", default="default")
+    bench.add_argument("--drafter", default="auto", help="DFlash drafter folder ('auto': the shipped one)")
+    bench.add_argument("--datasets", default="gsm8k,math500,humaneval,mt_bench",
+                       help="comma-separated: gsm8k, math500, humaneval, mt_bench, or JSONL files")
+    bench.add_argument("--data-dir", default=None, help="local copies (layout of ../shared/data); else by name")
+    bench.add_argument("--limit", type=_positive_int, default=10, help="prompts per dataset (seeded subset)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--block-sizes", default="16,8", help="DFlash block sizes to run")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--threads", type=_positive_int, default=None)
+    bench.add_argument("--output", default="runs/bench")
+    bench.set_defaults(run=_bench)
     return parser
 
 
@@ -124,6 +139,36 @@ def _train(args) -> int:
         raise BlockspecError("train needs --data FOLDER (built by `blockspec data`)")
     target = load_target(config.target, threads=config.threads)
     DFlashTrainer(config, target).run(resume=args.resume)
+    return 0
+
+
+def _bench(args) -> int:
+    from pathlib import Path
+
+    from blockspec.bench.runner import Method, report, run_bench, summarize
+    from blockspec.drafters.registry import shipped_drafter_for
+    from blockspec.targets.loading import load_target
+
+    if args.temperature < 0:
+        raise BlockspecError(f"temperature must be >= 0, got {args.temperature}")
+    target = load_target(args.target, threads=args.threads)
+    methods = [Method("baseline", "none", 1), Method("prompt-lookup", "prompt-lookup", 8)]
+    drafter = args.drafter
+    if drafter == "auto":
+        shipped = shipped_drafter_for(target)
+        drafter = str(shipped) if shipped else None
+    if drafter:
+        for block in (int(b) for b in args.block_sizes.split(",") if b.strip()):
+            methods.append(Method(f"dflash-b{block}", drafter, block))
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    result = run_bench(target, methods, datasets, data_dir=args.data_dir, limit=args.limit,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    meta = {"target": target.name, "drafter": drafter, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "seed": args.seed, "command": " ".join(sys.argv)}
+    report(summarize(result, methods), Path(args.output), meta)
+    if result.mismatches:
+        print(f"blockspec: error: {len(result.mismatches)} outputs differ from the baseline at T=0", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -57,6 +57,9 @@ class DFlashConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768
     target: dict = field(default_factory=dict)  # fingerprint of the target it was trained for
+    # Reduced draft vocabulary: the LM head is restricted to these many target ids (the
+    # `d2t` buffer maps draft index -> target id). Cuts the head's cost on CPU.
+    draft_vocab_size: int | None = None
 
     @classmethod
     def for_target(cls, target, *, num_layers: int = 1, block_size: int = 16, mask_token_id: int | None = None,
@@ -111,6 +114,7 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "blockspec_target": self.target,
+            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
         }
 
     @classmethod
@@ -135,6 +139,7 @@ class DFlashConfig:
                 rope_theta=float(data.get("rope_theta") or rope.get("rope_theta", 1e6)),
                 max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
                 target=data.get("blockspec_target") or {},
+                draft_vocab_size=data.get("draft_vocab_size"),
             )
         except (KeyError, TypeError) as error:
             raise DrafterMismatchError(f"config.json is not a DFlash drafter config: missing or bad field {error}") from None
@@ -220,6 +225,17 @@ class DFlashDraftModel(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.draft_vocab_size:
+            # draft index -> target token id (sorted); saved with the weights as `d2t`
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+
+    def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
+        weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
+        if self.config.draft_vocab_size:
+            weight = weight.index_select(0, self.d2t)
+            bias = None if bias is None else bias.index_select(0, self.d2t)
+        return weight, bias
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [b, 1, n, d] for absolute `positions` [b, n]."""
@@ -302,6 +318,8 @@ class DFlashDrafter(Drafter):
         self.mask_token_id = model.config.mask_token_id
         self.context_window = context_window
         self.sample_drafts = sample_drafts
+        self._head_weight, self._head_bias = self.model.head(target)
+        self._d2t = getattr(self.model, "d2t", None)
         self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._context_len = 0  # positions seen so far (the window may hold fewer)
 
@@ -331,11 +349,18 @@ class DFlashDrafter(Drafter):
         block = block.to(self.target.device)
         positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
         hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
-        logits = self.target.lm_head(hidden[0, 1:]).float()  # same-position prediction
+        # same-position prediction: block position k drafts the token AT start + k
+        logits = F.linear(hidden[0, 1:], self._head_weight, self._head_bias).float()
         if self.sample_drafts and not params.greedy:
             probs = warp_probs(logits, params)
-            return Draft(tokens=sample(probs, generator).cpu(), probs=probs.cpu())
-        return Draft(tokens=logits.argmax(-1).cpu())
+            tokens = sample(probs, generator)
+            if self._d2t is not None:  # q over the full vocabulary: zero outside the draft vocabulary
+                full = torch.zeros(probs.shape[0], self.target.vocab_size, device=probs.device)
+                probs = full.index_copy_(1, self._d2t, probs)
+                tokens = self._d2t[tokens]
+            return Draft(tokens=tokens.cpu(), probs=probs.cpu())
+        tokens = logits.argmax(-1)
+        return Draft(tokens=(tokens if self._d2t is None else self._d2t[tokens]).cpu())
 
     def accept(self, committed_ids, committed_features) -> None:
         self._extend_context(committed_features)
@@ -350,6 +375,8 @@ def check_fits(config: DFlashConfig, target) -> None:
         problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
     if config.num_target_layers != target.num_layers:
         problems.append(f"num_target_layers {config.num_target_layers} != target's {target.num_layers}")
+    if config.draft_vocab_size and not 0 < config.draft_vocab_size <= target.vocab_size:
+        problems.append(f"draft_vocab_size {config.draft_vocab_size} outside 1..{target.vocab_size}")
     bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
     if bad_ids:
         problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")

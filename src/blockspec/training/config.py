@@ -23,6 +23,7 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None  # None: the reference rule for num_layers
     mask_token_id: int | None = None  # None: an unused special token of the target
     intermediate_size: int | None = None  # None: the target's
+    draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent response tokens
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8

@@ -116,6 +116,7 @@ def _write_atomic(path: Path, text: str) -> None:
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(handle, "w") as out:
         out.write(text)
+    os.chmod(staging, 0o644)  # mkstemp creates 0600
     os.replace(staging, path)
 
 

@@ -92,6 +92,14 @@ def build_blocks(sequences: list[torch.Tensor], anchors: list[torch.Tensor], blo
     return block_ids, positions, labels, mask
 
 
+def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent response tokens (sorted ids): the reduced draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for record in records:
+        counts += torch.bincount(torch.tensor(record["response_ids"], dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+
+
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     """Weight of each block position: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
     k = torch.arange(block_size, dtype=torch.float32)
@@ -121,7 +129,14 @@ class DFlashTrainer:
         drafter_config = DFlashConfig.for_target(
             target, num_layers=config.num_layers, block_size=config.block_size, mask_token_id=mask_token_id,
             target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
+        drafter_config.draft_vocab_size = config.draft_vocab_size
         self.model = DFlashDraftModel(drafter_config)
+        # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
+        self.t2d = torch.arange(target.vocab_size)
+        if config.draft_vocab_size:
+            self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size))
+            self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.ddp_model = self.model
@@ -132,7 +147,10 @@ class DFlashTrainer:
                 dist.init_process_group("gloo" if target.device.type == "cpu" else "nccl")
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.steps_per_epoch = math.ceil(len(self.train_records) / config.batch_size)
+        if config.batch_size % self.world_size:
+            raise InvalidArgumentError(f"batch_size {config.batch_size} is not divisible by {self.world_size} processes")
+        # drop_last: every step sees a full global batch, so any process count splits it evenly
+        self.steps_per_epoch = max(1, len(self.train_records) // config.batch_size)
         self.total_steps = self.steps_per_epoch * config.epochs
         warmup = max(1, int(config.warmup_ratio * self.total_steps))
 
@@ -166,7 +184,8 @@ class DFlashTrainer:
             layer_ids = self.model.config.target_layer_ids
             stacked = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
             for row, index in enumerate(missing):
-                self._features[index] = stacked[row, : sequences[row].numel()].clone()
+                # fp16 in memory: the features of a whole dataset must fit in RAM for reuse each epoch
+                self._features[index] = stacked[row, : sequences[row].numel()].to(torch.float16)
         return [self._features[i] for i in indices]
 
     def batch_indices(self, step: int) -> list[int]:
@@ -186,23 +205,34 @@ class DFlashTrainer:
             anchors.append(sample_anchors(prompt_len, sequence.numel(), config.num_anchors, generator))
         features = self._target_features(list(indices))
         context_len = max(s.numel() for s in sequences)
-        context = torch.stack([F.pad(f, (0, 0, 0, context_len - f.shape[0])) for f in features])
+        dtype = next(self.model.parameters()).dtype
+        context = torch.stack([F.pad(f.to(dtype), (0, 0, 0, context_len - f.shape[0])) for f in features])
         block_ids, positions, labels, mask = build_blocks(list(sequences), anchors, config.block_size,
                                                           self.model.config.mask_token_id, context_len)
         device = self.target.device
-        context_kv = self.ddp_model.module.context_key_values if self.world_size > 1 else self.model.context_key_values
-        kv = context_kv(context.to(device), torch.arange(context_len, device=device).expand(len(indices), -1))
+        model = self.ddp_model.module if self.world_size > 1 else self.model
+        kv = model.context_key_values(context.to(device), torch.arange(context_len, device=device).expand(len(indices), -1))
         with torch.no_grad():
             embeds = self.target.embed(block_ids.to(device))
         hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
         weights = self.weights.repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
-        valid = labels != IGNORE
-        logits = self.target.lm_head(hidden[valid]).float()  # only rows with a label
-        per_token = F.cross_entropy(logits, labels[valid].to(device), reduction="none")
+        labels = torch.where(labels == IGNORE, IGNORE, self.t2d[labels.clamp_min(0)])
+        valid = labels >= 0  # has a label, inside the draft vocabulary
+        head_weight, head_bias = model.head(self.target)
+        logits = F.linear(hidden[valid], head_weight, head_bias).float()  # only rows with a label
+        targets = labels[valid].to(device)
+        per_token = F.cross_entropy(logits, targets, reduction="none")
         w = weights[valid].to(device)
-        loss = (per_token * w).sum() / w.sum().clamp_min(1e-8)
+        weight_sum = w.sum().detach()
+        if self.world_size > 1:
+            # Normalise by the GLOBAL weight sum so that the ranks together compute
+            # exactly the loss of one process over the whole batch.
+            import torch.distributed as dist
+
+            dist.all_reduce(weight_sum)
+        loss = (per_token * w).sum() / weight_sum.clamp_min(1e-8)
         with torch.no_grad():
-            correct = (logits.argmax(-1) == labels[valid].to(device)).float()
+            correct = (logits.argmax(-1) == targets).float()
         return loss, {"loss": float(loss.detach()), "acc": float(correct.mean()) if correct.numel() else 0.0}
 
     def train_step(self) -> dict:
@@ -213,9 +243,15 @@ class DFlashTrainer:
         self.ddp_model.train()
         loss, metrics = self.compute_loss(indices, epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        # DDP averages gradients over ranks; scale so the global batch matches one process.
-        share = len(indices) / max(1, len(self.batch_indices(self.step)))
-        (loss * share * self.world_size).backward()
+        # DDP AVERAGES gradients over ranks while each rank's loss is already its share
+        # of the global loss: scale back up by the world size.
+        (loss * self.world_size).backward()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            summed = torch.tensor([metrics["loss"]])
+            dist.all_reduce(summed)
+            metrics["loss"] = float(summed)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()

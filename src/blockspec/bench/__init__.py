@@ -1,0 +1,1 @@
+"""The benchmark harness: datasets, the interleaved runner and its report."""

@@ -1,0 +1,150 @@
+"""Run every method on the same prompts, INTERLEAVED prompt by prompt (the order
+rotates), so that drift of a shared, noisy machine cancels out of the ratios."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from blockspec.bench.datasets import BenchPrompt, load_prompts
+from blockspec.drafters.registry import load_drafter
+from blockspec.pipeline import SpecDecoder
+
+
+@dataclass
+class Method:
+    name: str
+    drafter: str  # "none", a registered name, or a drafter folder
+    block_size: int = 16
+
+
+@dataclass
+class Sample:
+    """One method on one prompt (all turns)."""
+    token_ids: list[list[int]]
+    new_tokens: int
+    decode_s: float
+    ttft_s: float
+    steps: int
+    accept_hist: list[int]
+    wall_s: float
+
+    @property
+    def tpot_s(self) -> float:
+        return self.decode_s / max(1, self.new_tokens - len(self.token_ids))
+
+
+@dataclass
+class BenchResult:
+    samples: dict = field(default_factory=dict)  # (method, dataset) -> list[Sample]
+    mismatches: list = field(default_factory=list)  # (method, dataset, prompt_id, turn)
+
+
+def run_prompt(decoder: SpecDecoder, prompt: BenchPrompt, max_new_tokens: int, temperature: float, seed: int) -> Sample:
+    messages, token_ids, new_tokens, decode_s, ttft_s, steps = [], [], 0, 0.0, 0.0, 0
+    hist = [0] * decoder.block_size
+    started = time.perf_counter()
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        chat = decoder.target.has_chat_template
+        result = decoder.generate(messages if chat else turn, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, seed=seed)
+        messages.append({"role": "assistant", "content": result.text})  # the next turn follows OUR answer
+        token_ids.append(result.token_ids)
+        new_tokens += result.stats.new_tokens
+        decode_s += result.stats.decode_s
+        ttft_s += result.stats.ttft_s
+        steps += result.stats.steps
+        hist = [a + b for a, b in zip(hist, result.stats.accept_hist)]
+        if not chat:
+            break  # a base model gets one turn
+    return Sample(token_ids, new_tokens, decode_s, ttft_s, steps, hist, time.perf_counter() - started)
+
+
+def run_bench(target, methods: list[Method], datasets: list[str], *, data_dir: str | None, limit: int | None,
+              max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> BenchResult:
+    decoders = {m.name: SpecDecoder(target, load_drafter(m.drafter, target), m.block_size) for m in methods}
+    baseline = methods[0].name
+    result = BenchResult()
+    for dataset in datasets:
+        prompts = load_prompts(dataset, data_dir, limit, seed)
+        for index, prompt in enumerate(tqdm(prompts, desc=f"bench {dataset}", unit="prompt")):
+            order = methods[index % len(methods):] + methods[:index % len(methods)]
+            samples = {m.name: run_prompt(decoders[m.name], prompt, max_new_tokens, temperature, seed) for m in order}
+            for name, sample in samples.items():
+                result.samples.setdefault((name, dataset), []).append(sample)
+                if temperature == 0 and name != baseline:
+                    for turn, (ours, base) in enumerate(zip(sample.token_ids, samples[baseline].token_ids)):
+                        if ours != base:
+                            result.mismatches.append((name, dataset, prompt.prompt_id, turn))
+                            print(f"!! LOSSLESSNESS VIOLATION: {name} differs from {baseline} on {dataset} "
+                                  f"prompt {prompt.prompt_id} turn {turn}")
+    return result
+
+
+def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
+    baseline = methods[0].name
+    rows = []
+    for (name, dataset), samples in result.samples.items():
+        base = result.samples[(baseline, dataset)]
+        ratios = sorted(b.tpot_s / s.tpot_s for b, s in zip(base, samples) if s.tpot_s > 0)
+        steps = sum(s.steps for s in samples)
+        committed = sum(s.new_tokens - len(s.token_ids) for s in samples)  # first token of a turn is not a step
+        hist = [sum(col) for col in zip(*(s.accept_hist for s in samples))]
+        proposed = [sum(hist[k:]) for k in range(1, len(hist))]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        rows.append({
+            "method": name, "dataset": dataset, "prompts": len(samples),
+            "speedup_median": statistics.median(ratios), "speedup_p25": quartiles[0], "speedup_p75": quartiles[2],
+            "tau": committed / steps if steps else 0.0,
+            "accept_by_pos": [round(p / steps, 4) if steps else 0.0 for p in proposed],
+            "tokens_per_s": sum(s.new_tokens for s in samples) / sum(s.decode_s + s.ttft_s for s in samples),
+            "ttft_s_median": statistics.median(s.ttft_s for s in samples),
+            "mismatches": sum(1 for m in result.mismatches if m[0] == name and m[1] == dataset),
+        })
+    return rows
+
+
+def report(rows: list[dict], output: Path, meta: dict) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    header = f"{'method':<18}{'dataset':<10}{'n':>4}{'speedup':>9}{'[p25-p75]':>14}{'tau':>7}{'tok/s':>8}{'mismatch':>10}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['method']:<18}{r['dataset']:<10}{r['prompts']:>4}{r['speedup_median']:>8.2f}x"
+                     f"{'[%.2f-%.2f]' % (r['speedup_p25'], r['speedup_p75']):>14}{r['tau']:>7.2f}"
+                     f"{r['tokens_per_s']:>8.1f}{r['mismatches']:>10}")
+    table = "\n".join(lines)
+    (output / "table.txt").write_text(table + "\n")
+    print(table)
+    _plot(rows, output / "bench.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({r["dataset"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        got = {r["dataset"]: r for r in rows if r["method"] == method}
+        xs = [d + i * width for d in range(len(datasets))]
+        axes[0].bar(xs, [got[d]["speedup_median"] if d in got else 0 for d in datasets], width, label=method)
+        axes[1].bar(xs, [got[d]["tau"] if d in got else 0 for d in datasets], width, label=method)
+    for axis, title in zip(axes, ["median speedup vs plain decoding (decode only)", "acceptance length tau"]):
+        axis.set_xticks([d + 0.4 - width / 2 for d in range(len(datasets))], datasets)
+        axis.set_title(title, fontsize=10)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
