@@ -14,7 +14,7 @@ RESUME=""
 [ -f runs/dflash-smollm2/latest/trainer_state.pt ] && RESUME="--resume"
 $BS train $RESUME --target default --data runs/data-smollm2 --output runs/dflash-smollm2 \
     --num-layers 2 --target-layer-ids 1,8,15,22,27 --block-size 16 --draft-vocab-size 8192 \
-    --num-anchors 24 --batch-size 4 --lr 1e-3 --epochs 6 --max-length 1024 \
+    --num-anchors 24 --batch-size 4 --lr 1e-3 --epochs 10 --max-length 1024 \
     --eval-every 100 --eval-prompts 4 --eval-max-new-tokens 64 --save-every 25 --seed 0
 
 OUT=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16

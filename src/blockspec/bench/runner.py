@@ -120,8 +120,13 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
                      f"{'[%.2f-%.2f]' % (r['speedup_p25'], r['speedup_p75']):>14}{r['tau']:>7.2f}"
                      f"{r['tokens_per_s']:>8.1f}{r['mismatches']:>10}")
     table = "\n".join(lines)
-    (output / "table.txt").write_text(table + "\n")
     print(table)
+    markdown = ["| method | dataset | prompts | speedup (median) | p25-p75 | tau | tokens/s | T=0 mismatches |",
+                "|---|---|---|---|---|---|---|---|"]
+    markdown += [f"| {r['method']} | {r['dataset']} | {r['prompts']} | {r['speedup_median']:.2f}x | "
+                 f"{r['speedup_p25']:.2f}-{r['speedup_p75']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                 f"{r['mismatches']} |" for r in rows]
+    (output / "table.md").write_text("\n".join(markdown) + "\n")
     _plot(rows, output / "bench.png")
 
 

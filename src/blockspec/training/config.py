@@ -24,6 +24,9 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: an unused special token of the target
     intermediate_size: int | None = None  # None: the target's
     draft_vocab_size: int | None = None  # None: the full vocabulary; N: the N most frequent response tokens
+    # Start the draft layers as copies of the target's top layers (same shapes), with fc
+    # selecting the last feature layer: sample efficiency matters more than anything on a CPU.
+    init_from_target: bool = True
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8

@@ -92,6 +92,41 @@ def build_blocks(sequences: list[torch.Tensor], anchors: list[torch.Tensor], blo
     return block_ids, positions, labels, mask
 
 
+@torch.no_grad()
+def init_from_target_layers(model: DFlashDraftModel, target) -> bool:
+    """Copy the target's top decoder layers (and final norm) into the draft layers.
+
+    Draft layer i starts as target layer L - n + i. `fc` starts by selecting the
+    features of the highest target layer id and `hidden_norm` as the next layer's
+    input norm, so that when that id is L - n - 1 the first draft layer sees exactly
+    the context K/V the target's own layer would. Weights whose shapes differ (or
+    that the target lacks, like q_norm / k_norm in Llama) keep their fresh init.
+    Returns False when the target's layers are not of the expected Llama-like shape.
+    """
+    layers = getattr(getattr(target.model, "model", None), "layers", None)
+    # Only where the layer layout matches ours (pre-norm, RMSNorm weights used as is).
+    if target.config.model_type not in ("llama", "mistral", "qwen2", "qwen3") or layers is None \
+            or len(layers) < len(model.layers):
+        return False
+    first = len(layers) - len(model.layers)
+    for index, draft_layer in enumerate(model.layers):
+        source = layers[first + index].state_dict()
+        own = draft_layer.state_dict()
+        own.update({name: tensor for name, tensor in source.items() if name in own and own[name].shape == tensor.shape})
+        draft_layer.load_state_dict(own)
+    final_norm = getattr(target.model.model, "norm", None)
+    if final_norm is not None and final_norm.weight.shape == model.norm.weight.shape:
+        model.norm.weight.copy_(final_norm.weight)
+    hidden = model.config.hidden_size
+    last = max(range(len(model.config.target_layer_ids)), key=lambda i: model.config.target_layer_ids[i])
+    model.fc.weight.zero_()
+    model.fc.weight[:, last * hidden:(last + 1) * hidden] = torch.eye(hidden)
+    next_norm = layers[min(model.config.target_layer_ids[last] + 1, len(layers) - 1)].input_layernorm.weight
+    if next_norm.shape == model.hidden_norm.weight.shape:
+        model.hidden_norm.weight.copy_(next_norm)
+    return True
+
+
 def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` most frequent response tokens (sorted ids): the reduced draft vocabulary."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -131,6 +166,8 @@ class DFlashTrainer:
             target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
         drafter_config.draft_vocab_size = config.draft_vocab_size
         self.model = DFlashDraftModel(drafter_config)
+        if config.init_from_target:
+            init_from_target_layers(self.model, target)
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
         if config.draft_vocab_size:

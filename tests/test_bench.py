@@ -1,0 +1,71 @@
+"""The benchmark harness: loaders on the shared files, the speedup arithmetic, an end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from blockspec.bench import runner
+from blockspec.bench.datasets import MATH_SUFFIX, load_prompts
+from blockspec.bench.runner import BenchResult, Method, Sample, report, run_bench, summarize
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"public eval data not at {DATA_DIR}")
+
+
+@needs_data
+def test_loaders_read_the_shared_files():
+    gsm8k = load_prompts("gsm8k", str(DATA_DIR), limit=3, seed=1)
+    assert len(gsm8k) == 3 and gsm8k[0].turns[0].endswith(MATH_SUFFIX)
+    assert [p.prompt_id for p in gsm8k] == [p.prompt_id for p in load_prompts("gsm8k", str(DATA_DIR), 3, seed=1)]
+    assert len(load_prompts("math500", str(DATA_DIR))) == 500
+    mt = load_prompts("mt_bench", str(DATA_DIR))
+    assert len(mt) == 80 and all(len(p.turns) == 2 for p in mt)
+    humaneval = load_prompts("humaneval", limit=2)
+    assert "def " in humaneval[0].turns[0]
+
+
+def sample(decode_s, new_tokens, steps, hist, ids=((1, 2),)):
+    return Sample([list(i) for i in ids], new_tokens, decode_s, 0.1, steps, hist, decode_s + 0.1)
+
+
+def test_speedup_is_the_ratio_of_time_per_output_token():
+    methods = [Method("baseline", "none", 1), Method("fast", "x", 4)]
+    result = BenchResult(samples={
+        ("baseline", "d"): [sample(9.0, 10, 9, [9, 0, 0, 0]), sample(4.0, 5, 4, [4, 0, 0, 0])],
+        ("fast", "d"): [sample(3.0, 10, 3, [0, 0, 0, 3]), sample(2.0, 5, 2, [0, 2, 0, 0])],
+    })
+    rows = {r["method"]: r for r in summarize(result, methods)}
+    assert rows["baseline"]["speedup_median"] == 1.0
+    assert rows["fast"]["speedup_median"] == pytest.approx((3.0 + 2.0) / 2)  # median of 3x and 2x
+    assert rows["fast"]["tau"] == pytest.approx((9 + 4) / (3 + 2))
+    assert rows["fast"]["accept_by_pos"] == [1.0, 0.6, 0.6]
+
+
+@pytest.mark.real
+@needs_data
+def test_end_to_end_on_two_prompts_flags_an_injected_mismatch(tmp_path, monkeypatch):
+    from blockspec.targets.loading import load_target
+
+    target = load_target("default")
+    methods = [Method("baseline", "none", 1), Method("prompt-lookup", "prompt-lookup", 8)]
+    result = run_bench(target, methods, ["gsm8k"], data_dir=str(DATA_DIR), limit=2, max_new_tokens=16)
+    assert not result.mismatches
+    report(summarize(result, methods), tmp_path, {"test": True})
+    assert json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert (tmp_path / "table.md").read_text().startswith("| method")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+    real_run_prompt = runner.run_prompt
+
+    def corrupt(decoder, prompt, *args):
+        out = real_run_prompt(decoder, prompt, *args)
+        if decoder.drafter is not None:
+            out.token_ids[0][-1] += 1
+        return out
+
+    monkeypatch.setattr(runner, "run_prompt", corrupt)
+    broken = run_bench(target, methods, ["gsm8k"], data_dir=str(DATA_DIR), limit=1, max_new_tokens=8)
+    assert broken.mismatches and broken.mismatches[0][0] == "prompt-lookup"
