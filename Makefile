@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: install
-	$(VENV)/bin/blockspec generate "Write a short Python function that checks whether a number is prime, then explain it in two sentences." --max-new-tokens 96
+	$(VENV)/bin/blockspec generate "Write a short Python function that checks whether a number is prime, then explain it in two sentences." --max-new-tokens 96 --compare
 
 test: install
 	$(PY) -m pytest -q

@@ -17,7 +17,5 @@ $BS train $RESUME --target default --data runs/data-smollm2 --output runs/dflash
     --num-anchors 24 --batch-size 4 --lr 1e-3 --epochs 10 --max-length 1024 \
     --eval-every 100 --eval-prompts 4 --eval-max-new-tokens 64 --save-every 25 --seed 0
 
-OUT=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
-mkdir -p "$OUT"
-cp runs/dflash-smollm2/final/config.json runs/dflash-smollm2/final/model.safetensors "$OUT"/
-cp runs/dflash-smollm2/metrics.png "$OUT"/training.png
+.venv/bin/python scripts/ship_drafter.py runs/dflash-smollm2/final \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/dflash-smollm2/metrics.png

@@ -156,3 +156,39 @@ def test_block_size_beyond_the_drafter_is_refused():
         SpecEngine(target, make(target, block=8), 16)
     with pytest.raises(InvalidArgumentError, match="block size"):
         SpecEngine(target, make(target, block=8), 0)
+
+
+def test_fingerprint_refuses_a_drafter_for_another_tokenizer_unless_forced():
+    target = tiny_target("llama")
+    model = make(target).model
+    model.config.target = {**model.config.target, "name": "other-model", "tokenizer_sha256": "0" * 64}
+    target.fingerprint = lambda: {"tokenizer_sha256": "f" * 64}
+    with pytest.raises(DrafterMismatchError, match="different tokenizer"):
+        DFlashDrafter(model, target)
+    DFlashDrafter(model, target, force=True)
+
+
+def test_check_drafter_names_each_problem(tmp_path):
+    from safetensors.torch import save_file
+
+    from blockspec.export.check import check_drafter
+
+    target = tiny_target("llama")
+    folder = tmp_path / "d"
+    make(target).model.save_pretrained(folder)
+    assert check_drafter(folder, target) == []
+    weights = load_file(folder / "model.safetensors")
+    weights["layers.0.mlp.up_proj.weight"] = weights["layers.0.mlp.up_proj.weight"][:, :10].contiguous()
+    weights["extra.weight"] = weights.pop("norm.weight")
+    save_file(weights, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 40]
+    (folder / "config.json").write_text(json.dumps(config))
+    problems = "\n".join(check_drafter(folder, target))
+    assert "target_layer_ids [40]" in problems
+    assert "`norm.weight` is missing" in problems
+    assert "`extra.weight` is not a DFlash weight" in problems
+    assert "`layers.0.mlp.up_proj.weight` has shape" in problems
+    del config["block_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert check_drafter(folder, target) == ["config.json lacks `block_size`"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import blockspec
-from blockspec.drafters.registry import NAMED_DRAFTERS
+from blockspec.drafters.registry import NAMED_DRAFTERS, load_drafter
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
 from blockspec.pipeline import SpecDecoder
 from blockspec.targets.loading import load_target, resolve_target
@@ -47,11 +47,15 @@ def test_second_load_does_not_convert_again(target):
     assert weights.stat().st_mtime_ns == written
 
 
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "shipped"])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["capital", "code", "repeat"])
 def test_greedy_identity_on_the_default_target(target, kind, prompt):
-    drafter = {"none": None, "prompt-lookup": NAMED_DRAFTERS["prompt-lookup"](target),
-               "dflash": random_dflash(target)}[kind]
+    if kind == "shipped":
+        drafter = load_drafter("auto", target)
+        assert drafter.name == "dflash", "the shipped drafter is the default for the default target"
+    else:
+        drafter = {"none": None, "prompt-lookup": NAMED_DRAFTERS["prompt-lookup"](target),
+                   "dflash": random_dflash(target)}[kind]
     decoder = SpecDecoder(target, drafter)
     result = decoder.generate(prompt, max_new_tokens=MAX_NEW)
     prompt_ids = target.encode_prompt(prompt)

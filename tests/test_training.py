@@ -11,7 +11,11 @@ from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.training.config import TrainConfig, load_config
 from blockspec.training.trainer import IGNORE, DFlashTrainer, build_blocks, loss_weights, sample_anchors
+from pathlib import Path
+
 from conftest import hf_greedy, tiny_target
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def test_blocks_see_context_strictly_before_their_anchor_and_only_their_own_block():
@@ -94,3 +98,28 @@ def test_config_rejects_unknown_keys(tmp_path):
     bad.write_text('{"lr": 0.1, "learning_rate": 2}')
     with pytest.raises(InvalidArgumentError, match="learning_rate"):
         load_config(TrainConfig, str(bad), [])
+
+
+def test_bad_dataset_files_are_clear_errors(tmp_path):
+    from blockspec.training.data import load_records, read_prompts
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(InvalidArgumentError, match="bad.jsonl:2: not valid JSON"):
+        read_prompts(str(bad))
+    bad.write_text('{"title": "no prompt field"}\n')
+    with pytest.raises(InvalidArgumentError, match="none of the fields"):
+        read_prompts(str(bad))
+    with pytest.raises(InvalidArgumentError, match="no shard"):
+        load_records(tmp_path)
+    (tmp_path / "shard-00000.jsonl").write_text('{"prompt_ids": [1]}\n')
+    with pytest.raises(InvalidArgumentError, match="lacks"):
+        load_records(tmp_path)
+
+
+@pytest.mark.skipif(not DATA_DIR.is_dir(), reason="public data not present")
+def test_prompts_from_the_shared_gsm8k_train_file():
+    from blockspec.training.data import read_prompts
+
+    prompts = read_prompts(str(DATA_DIR / "gsm8k" / "train.jsonl"), limit=3)
+    assert len(prompts) == 3 and prompts[0].startswith("Natalia sold clips")

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--force-drafter", action="store_true",
+                     help="use a drafter trained for another tokenizer (shapes must still fit)")
     gen.add_argument("--context-window", type=_positive_int, default=None,
                      help="cap the drafter's cached context at this many positions (long prompts)")
     gen.add_argument("--device", default="cpu")
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the plain autoregressive loop (interleaved, twice each) and print the speedup")
     gen.set_defaults(run=_generate)
 
     data = commands.add_parser("data", help="build a training set whose responses the target regenerates")
@@ -65,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="JSON file of TrainConfig fields")
     train.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
     train.set_defaults(run=_train)
+
+    check = commands.add_parser("check-drafter", help="validate a drafter folder against a target")
+    check.add_argument("folder")
+    check.add_argument("--target", default="default")
+    check.set_defaults(run=_check_drafter)
 
     bench = commands.add_parser("bench", help="speedup and acceptance of every method vs plain decoding")
     bench.add_argument("--target", default="default")
@@ -97,7 +106,7 @@ def _generate(args) -> int:
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
-                             context_window=args.context_window)
+                             context_window=args.context_window, force_drafter=args.force_drafter)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw)
     if args.json:
@@ -114,7 +123,32 @@ def _generate(args) -> int:
         print(result.text)
     drafter = decoder.drafter.name if decoder.drafter else "none"
     print(f"{result.stats.summary()} drafter={drafter} block={decoder.block_size} target={decoder.target.name}")
+    if args.compare and decoder.drafter is not None:
+        _compare_with_plain_loop(decoder, args.prompt, options, result)
     return 0
+
+
+def _compare_with_plain_loop(decoder, prompt, options, first_result) -> None:
+    """Speedup over the plain loop on the same target, measured in this run: the two
+    alternate (method, plain, method, plain) and the medians of decode time per token
+    are compared, so that a busy machine slows both alike."""
+    import statistics
+
+    from blockspec.pipeline import SpecDecoder
+
+    plain = SpecDecoder(decoder.target, None)
+    method_tpot, plain_tpot = [first_result.stats.tpot_s], []
+    plain_result = None
+    for round_index in range(2):
+        plain_result = plain.generate(prompt, **options)
+        plain_tpot.append(plain_result.stats.tpot_s)
+        if round_index == 0:
+            method_tpot.append(decoder.generate(prompt, **options).stats.tpot_s)
+    speedup = statistics.median(plain_tpot) / statistics.median(method_tpot)
+    identical = plain_result.token_ids == first_result.token_ids
+    print(f"plain autoregressive loop: {plain_result.stats.summary()}")
+    print(f"speedup over the plain loop: {speedup:.2f}x (median decode time per token, 2 alternating runs each); "
+          f"outputs identical: {'yes' if identical else 'NO'}")
 
 
 def _data(args) -> int:
@@ -142,6 +176,20 @@ def _train(args) -> int:
     return 0
 
 
+def _check_drafter(args) -> int:
+    from blockspec.export.check import check_drafter
+    from blockspec.targets.loading import load_target
+
+    problems = check_drafter(args.folder, load_target(args.target))
+    if problems:
+        print(f"{args.folder}: {len(problems)} problem(s) against target {args.target}:", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 1
+    print(f"{args.folder}: OK, a valid DFlash drafter for target {args.target}")
+    return 0
+
+
 def _bench(args) -> int:
     from pathlib import Path
 
@@ -165,7 +213,24 @@ def _bench(args) -> int:
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     meta = {"target": target.name, "drafter": drafter, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed, "command": " ".join(sys.argv)}
-    report(summarize(result, methods), Path(args.output), meta)
+    rows = summarize(result, methods)
+    from blockspec.bench.costs import measure_costs
+    from blockspec.drafters.registry import load_drafter
+
+    costs = {}
+    for method in methods[1:]:
+        costs[method.name] = measure_costs(target, load_drafter(method.drafter, target), method.block_size)
+    for row in rows:
+        cost = costs.get(row["method"])
+        if cost and "d" in cost:
+            row.update(r=cost["r"], d=cost["d"], predicted_speedup=row["tau"] / (cost["r"] + cost["d"]))
+    meta["costs"] = costs
+    report(rows, Path(args.output), meta)
+    for name, cost in costs.items():
+        if "d" in cost:
+            print(f"{name}: decode(1) {cost['decode_s'] * 1e3:.1f} ms, verify({cost['block_size']}) "
+                  f"{cost['verify_s'] * 1e3:.1f} ms (r = {cost['r']:.2f}), draft {cost['draft_s'] * 1e3:.1f} ms "
+                  f"(d = {cost['d']:.2f}); speedup ~ tau / (r + d)")
     if result.mismatches:
         print(f"blockspec: error: {len(result.mismatches)} outputs differ from the baseline at T=0", file=sys.stderr)
         return 1

@@ -124,11 +124,14 @@ def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> li
 
 def load(target: str = DEFAULT_TARGET, drafter: str = "auto", *, block_size: int | None = None,
          device: str = "cpu", dtype: str = "float32", threads: int | None = None,
-         trust_remote_code: bool = False, context_window: int | None = None) -> SpecDecoder:
+         trust_remote_code: bool = False, context_window: int | None = None,
+         force_drafter: bool = False) -> SpecDecoder:
     """Load a target and a drafter. `drafter`: 'auto' (the shipped drafter for this
     target, else prompt lookup), 'none', 'prompt-lookup', or a drafter folder."""
     target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
                                  trust_remote_code=trust_remote_code)
     options = {"context_window": context_window} if context_window else {}
+    if force_drafter:
+        options["force"] = True
     drafter_obj = load_drafter(drafter, target_adapter, **options)
     return SpecDecoder(target_adapter, drafter_obj, block_size)

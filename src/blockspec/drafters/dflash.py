@@ -258,15 +258,23 @@ class DFlashDraftModel(nn.Module):
         return self.norm(hidden)
 
     # --- reference checkpoint format --------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write config.json + model.safetensors atomically (a reader sees all or nothing)."""
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors atomically (a reader sees all or nothing).
+        `dtype` stores the floating-point weights in another precision (e.g. float16 to ship)."""
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
             tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+            if dtype is not None:
+                tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
             save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-            (staging / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+            config = self.config.to_hf_dict()
+            config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).replace("torch.", "")
+            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            os.chmod(staging, 0o755)  # mkdtemp creates 0700
+            for item in staging.iterdir():
+                os.chmod(item, 0o644)
             old = None
             if directory.exists():
                 old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -306,11 +314,12 @@ class DFlashDrafter(Drafter):
     name = "dflash"
 
     def __init__(self, model: DFlashDraftModel, target, *, context_window: int | None = None,
-                 sample_drafts: bool = False):
+                 sample_drafts: bool = False, force: bool = False):
         """`context_window` caps the cached context (a sliding window for long prompts);
         `sample_drafts` samples drafts from the drafter's own warped distribution at
-        T > 0 (verified by rejection sampling) instead of drafting greedily."""
-        check_fits(model.config, target)
+        T > 0 (verified by rejection sampling) instead of drafting greedily; `force`
+        accepts a drafter trained for another tokenizer (the shapes must still fit)."""
+        check_fits(model.config, target, check_fingerprint=not force)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
         self.target = target
         self.target_layer_ids = tuple(model.config.target_layer_ids)
@@ -366,7 +375,7 @@ class DFlashDrafter(Drafter):
         self._extend_context(committed_features)
 
 
-def check_fits(config: DFlashConfig, target) -> None:
+def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> None:
     """Raise DrafterMismatchError naming exactly what does not fit `target`."""
     problems = []
     if config.hidden_size != target.hidden_size:
@@ -383,8 +392,9 @@ def check_fits(config: DFlashConfig, target) -> None:
     if not 0 <= config.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} outside the target's vocabulary")
     recorded = config.target.get("tokenizer_sha256")
-    if recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
-        problems.append(f"trained for a different tokenizer (target {config.target.get('name')!r})")
+    if check_fingerprint and recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
+        problems.append(f"trained for a different tokenizer (target {config.target.get('name')!r}); "
+                        "--force-drafter uses it anyway")
     if problems:
         raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
 

@@ -14,7 +14,7 @@ from blockspec.errors import DrafterNotFoundError
 
 # Training-free drafters, by name.
 NAMED_DRAFTERS: dict[str, Callable[..., Drafter]] = {
-    "prompt-lookup": lambda target, **options: PromptLookupDrafter(),
+    "prompt-lookup": lambda target, **options: PromptLookupDrafter(),  # options are DFlash's: ignored
 }
 # Trained drafters, by the `architectures` entry of their config.json.
 CHECKPOINT_LOADERS: dict[str, Callable[..., Drafter]] = {

@@ -46,8 +46,7 @@ def read_prompts(source: str, split: str = "train", limit: int | None = None) ->
     path = Path(source).expanduser()
     rows: list[dict]
     if path.is_file():
-        with open(path) as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
+        rows = _read_jsonl(path)
     else:
         try:
             import datasets
@@ -68,6 +67,22 @@ def read_prompts(source: str, split: str = "train", limit: int | None = None) ->
             raise InvalidArgumentError(f"{source}: record {index} has none of the fields {PROMPT_FIELDS} or messages")
         prompts.append(row[field])
     return prompts[:limit] if limit else prompts
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path) as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InvalidArgumentError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise InvalidArgumentError(f"{path}:{number}: expected a JSON object per line")
+            rows.append(row)
+    return rows
 
 
 def synthesize_prompts(target, count: int, seed: int, batch_size: int = 16, max_new_tokens: int = 64) -> list[str]:
@@ -174,5 +189,8 @@ def load_records(folder: str | os.PathLike) -> list[dict]:
         raise InvalidArgumentError(f"{folder} holds no shard-*.jsonl files: build it with `blockspec data`")
     records = []
     for shard in shards:
-        records += [json.loads(line) for line in shard.read_text().splitlines() if line]
+        for row in _read_jsonl(shard):
+            if not isinstance(row.get("prompt_ids"), list) or not isinstance(row.get("response_ids"), list):
+                raise InvalidArgumentError(f"{shard}: a record lacks prompt_ids / response_ids")
+            records.append(row)
     return records

@@ -1,0 +1,1 @@
+"""Checking and converting drafter checkpoints for other engines."""

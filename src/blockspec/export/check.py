@@ -1,0 +1,62 @@
+"""`blockspec check-drafter`: validate a drafter folder against a target, listing every
+problem, because serving loaders skip mismatched weights silently."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, check_fits
+from blockspec.errors import BlockspecError
+
+REQUIRED_FIELDS = ["architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "block_size",
+                   "num_target_layers", "dflash_config", "layer_types"]
+
+
+def check_drafter(folder: str | Path, target) -> list[str]:
+    """Every problem found (empty list: the folder is a valid drafter for `target`)."""
+    folder = Path(folder)
+    problems: list[str] = []
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            problems.append(f"missing {path.name}")
+    if problems:
+        return problems
+    try:
+        data = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        return [f"config.json is not valid JSON: {error}"]
+    problems += [f"config.json lacks `{name}`" for name in REQUIRED_FIELDS if name not in data]
+    if "DFlashDraftModel" not in (data.get("architectures") or []):
+        problems.append(f"architectures is {data.get('architectures')}, not ['DFlashDraftModel']")
+    dflash = data.get("dflash_config") or {}
+    problems += [f"dflash_config lacks `{name}`" for name in ("mask_token_id", "target_layer_ids") if name not in dflash]
+    if len(data.get("layer_types") or []) != data.get("num_hidden_layers"):
+        problems.append("layer_types does not have one entry per layer")
+    if problems:
+        return problems
+    try:
+        config = DFlashConfig.from_hf_dict(data)
+    except BlockspecError as error:
+        return [str(error)]
+    try:
+        check_fits(config, target)
+    except BlockspecError as error:
+        problems += str(error).split(": ", 1)[1].split("; ")
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
+    with safe_open(weights_path, framework="pt") as handle:
+        found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    for name in sorted(set(expected) - set(found)):
+        problems.append(f"weight `{name}` is missing")
+    for name in sorted(set(found) - set(expected)):
+        problems.append(f"weight `{name}` is not a DFlash weight (a serving engine would skip it silently)")
+    for name in sorted(set(found) & set(expected)):
+        if found[name] != expected[name]:
+            problems.append(f"weight `{name}` has shape {list(found[name])}, the config implies {list(expected[name])}")
+    return problems
