@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ transformers.utils.logging.set_verbosity_error()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3"]
+# Public eval data (never copied into the repo): BLOCKSPEC_DATA_DIR, else ../shared/data beside the checkout.
+DATA_DIR = Path(os.environ.get("BLOCKSPEC_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def tiny_config(arch: str, vocab_size: int = 96, hidden: int = 64, layers: int = 4):

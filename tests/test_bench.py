@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from blockspec.bench import runner
 from blockspec.bench.datasets import MATH_SUFFIX, load_prompts
 from blockspec.bench.runner import BenchResult, Method, Sample, report, run_bench, summarize
+from conftest import DATA_DIR
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"public eval data not at {DATA_DIR}")
 
 

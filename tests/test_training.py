@@ -11,11 +11,7 @@ from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.training.config import TrainConfig, load_config
 from blockspec.training.trainer import IGNORE, DFlashTrainer, build_blocks, loss_weights, sample_anchors
-from pathlib import Path
-
-from conftest import hf_greedy, tiny_target
-
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+from conftest import DATA_DIR, hf_greedy, tiny_target
 
 
 def test_blocks_see_context_strictly_before_their_anchor_and_only_their_own_block():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from blockspec.errors import InvalidArgumentError
@@ -56,7 +57,7 @@ class TrainConfig:
 def _convert(text: str, annotation):
     origin = typing.get_origin(annotation)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+    if origin in (typing.Union, types.UnionType) and args:
         if text.lower() in ("none", "null"):
             return None
         return _convert(text, args[0])
