@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+# --block-size 8: on a 2-core CPU a 16-token verify costs more than it gains (docs/benchmarks.md).
 demo: install
-	$(VENV)/bin/blockspec generate "Write a short Python function that checks whether a number is prime, then explain it in two sentences." --max-new-tokens 96 --compare
+	$(VENV)/bin/blockspec generate "Write a short Python function that checks whether a number is prime, then explain it in two sentences." --max-new-tokens 96 --block-size 8 --compare
 
 test: install
 	$(PY) -m pytest -q

@@ -35,6 +35,7 @@ class SpecDecoder:
             limit = getattr(drafter, "max_block_size", None)
             block_size = min(DEFAULT_BLOCK_SIZE, limit) if limit else DEFAULT_BLOCK_SIZE
         self.engine = SpecEngine(target, drafter, block_size)
+        self._result: GenerationResult | None = None
 
     @property
     def block_size(self) -> int:
@@ -53,7 +54,7 @@ class SpecDecoder:
         yield from self._run(prompt, **options)
 
     @property
-    def last_result(self) -> GenerationResult:
+    def last_result(self) -> GenerationResult | None:
         return self._result
 
     def _run(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
