@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from blockspec.atomic import replace_dir
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 from blockspec.drafters.base import Draft, Drafter
 from blockspec.errors import DrafterMismatchError, DrafterNotFoundError
@@ -261,29 +260,18 @@ class DFlashDraftModel(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """Write config.json + model.safetensors atomically (a reader sees all or nothing).
         `dtype` stores the floating-point weights in another precision (e.g. float16 to ship)."""
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
-            tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-            if dtype is not None:
-                tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-            save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-            config = self.config.to_hf_dict()
-            config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).replace("torch.", "")
-            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            os.chmod(staging, 0o755)  # mkdtemp creates 0700
-            for item in staging.iterdir():
-                os.chmod(item, 0o644)
-            old = None
-            if directory.exists():
-                old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-                os.rename(directory, old)
-            os.rename(staging, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with replace_dir(directory) as staging:
+            self.write_files(staging, dtype)
+
+    def write_files(self, folder: Path, dtype: torch.dtype | None = None) -> None:
+        """config.json + model.safetensors into an existing folder (not atomic on its own)."""
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        if dtype is not None:
+            tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        config = self.config.to_hf_dict()
+        config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).replace("torch.", "")
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> "DFlashDraftModel":

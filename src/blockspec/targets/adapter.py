@@ -8,6 +8,7 @@ borrow. Everything architecture-specific stays inside transformers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -95,19 +96,23 @@ class TargetAdapter:
 
     def fingerprint(self) -> dict:
         """What a drafter records about the target it was trained for, and checks at load."""
-        tokenizer_sha256 = None
-        if self.tokenizer is not None:
-            digest = hashlib.sha256()
-            for token, index in sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1]):
-                digest.update(f"{index}\t{token}\n".encode())
-            tokenizer_sha256 = digest.hexdigest()
         return {
             "name": self.name,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
-            "tokenizer_sha256": tokenizer_sha256,
+            "tokenizer_sha256": self._tokenizer_sha256,
         }
+
+    @functools.cached_property
+    def _tokenizer_sha256(self) -> str | None:
+        # hashed once: the vocabulary can hold hundreds of thousands of entries
+        if self.tokenizer is None:
+            return None
+        digest = hashlib.sha256()
+        for token, index in sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1]):
+            digest.update(f"{index}\t{token}\n".encode())
+        return digest.hexdigest()
 
     # --- decoding on a KV cache ----------------------------------------------
     def reset(self) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from blockspec.atomic import write_text
 from blockspec.errors import InvalidArgumentError
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
@@ -127,14 +127,6 @@ def _generate_batch(target, prompts: list[list[int]], max_new_tokens: int, tempe
     return responses
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as out:
-        out.write(text)
-    os.chmod(staging, 0o644)  # mkstemp creates 0600
-    os.replace(staging, path)
-
-
 def build_dataset(target, config: DataConfig) -> Path:
     """Regenerate responses with the target; resumable; returns the output folder."""
     if config.temperature < 0:
@@ -151,8 +143,8 @@ def build_dataset(target, config: DataConfig) -> Path:
         if not prompts:
             raise InvalidArgumentError("no prompts: pass --prompts or --synthesize N")
         random.Random(config.seed).shuffle(prompts)
-        _write_atomic(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        _write_atomic(output / "meta.json", json.dumps({"config": asdict(config), "target": target.fingerprint()}, indent=2))
+        write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        write_text(output / "meta.json", json.dumps({"config": asdict(config), "target": target.fingerprint()}, indent=2))
     num_shards = (len(prompts) + config.shard_size - 1) // config.shard_size
     todo = [i for i in range(num_shards) if not (output / f"shard-{i:05d}.jsonl").exists()]
     torch.manual_seed(config.seed)
@@ -176,7 +168,7 @@ def build_dataset(target, config: DataConfig) -> Path:
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.0f}")
             for index, prompt_ids in enumerate(encoded):
                 records.append({"prompt_ids": prompt_ids, "response_ids": responses[index]})
-            _write_atomic(output / f"shard-{shard:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            write_text(output / f"shard-{shard:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     print(f"dataset: {len(prompts)} prompts in {num_shards} shards at {output} "
           f"({new_tokens} tokens regenerated this run in {time.perf_counter() - started:.0f} s)")
     return output

@@ -15,8 +15,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from blockspec.atomic import replace_dir, write_text
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.stats import GenerationStats
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
@@ -174,6 +173,7 @@ class DFlashTrainer:
             self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
+        self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.ddp_model = self.model
@@ -247,16 +247,17 @@ class DFlashTrainer:
         block_ids, positions, labels, mask = build_blocks(list(sequences), anchors, config.block_size,
                                                           self.model.config.mask_token_id, context_len)
         device = self.target.device
-        model = self.ddp_model.module if self.world_size > 1 else self.model
-        kv = model.context_key_values(context.to(device), torch.arange(context_len, device=device).expand(len(indices), -1))
+        # self.model is the module DDP wraps: the context projection runs outside DDP's
+        # forward, its gradients are still reduced by DDP's per-parameter hooks
+        positions_all = torch.arange(context_len, device=device).expand(len(indices), -1)
+        kv = self.model.context_key_values(context.to(device), positions_all)
         with torch.no_grad():
             embeds = self.target.embed(block_ids.to(device))
         hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
         weights = self.weights.repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
         labels = torch.where(labels == IGNORE, IGNORE, self.t2d[labels.clamp_min(0)])
         valid = labels >= 0  # has a label, inside the draft vocabulary
-        head_weight, head_bias = model.head(self.target)
-        logits = F.linear(hidden[valid], head_weight, head_bias).float()  # only rows with a label
+        logits = F.linear(hidden[valid], *self._head).float()  # only rows with a label
         targets = labels[valid].to(device)
         per_token = F.cross_entropy(logits, targets, reduction="none")
         w = weights[valid].to(device)
@@ -315,23 +316,12 @@ class DFlashTrainer:
     # --- checkpoints -----------------------------------------------------------------
     def save(self, name: str = "latest") -> Path:
         """Drafter (reference format) + trainer state in one folder, swapped in atomically."""
-        final = self.output / name
-        self.output.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=self.output))
-        self.model.save_pretrained(staging / "drafter")
-        for item in (staging / "drafter").iterdir():
-            item.rename(staging / item.name)
-        (staging / "drafter").rmdir()
-        torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
-                    "config": asdict(self.config)}, staging / "trainer_state.pt")
-        old = self.output / f".{name}.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-        return final
+        with replace_dir(self.output / name) as staging:
+            self.model.write_files(staging)
+            torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                        "config": asdict(self.config)}, staging / "trainer_state.pt")
+        return self.output / name
 
     def resume(self, name: str = "latest") -> bool:
         folder = self.output / name
@@ -368,7 +358,7 @@ class DFlashTrainer:
                 metrics["tau"] = self.evaluate_tau()
             if is_main:
                 history.append(metrics)
-                _write_lines(log_path, history)
+                write_text(log_path, "".join(json.dumps(row) + "\n" for row in history))
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}",
                                 **({"tau": f"{metrics['tau']:.2f}"} if "tau" in metrics else {}))
                 if self.step % config.save_every == 0 or self.step == last_steps:
@@ -384,13 +374,6 @@ class DFlashTrainer:
                   f"last loss {history[-1]['loss']:.3f}" + (f", held-out tau {taus[-1]:.2f}" if taus else "")
                   + f"; drafter at {final}")
         return final
-
-
-def _write_lines(path: Path, rows: list[dict]) -> None:
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as out:
-        out.write("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(staging, path)
 
 
 def plot_metrics(history: list[dict], path: Path) -> None:
