@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
 # The exact commands that produced the shipped drafter for the default target
 # (src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16). CPU only, 2 cores.
-# Both steps resume if interrupted: rerun the script.
+# Every step resumes if interrupted: rerun the script (finished steps are skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BS=.venv/bin/blockspec
 DATA=${DATA:-../shared/data}
 
-$BS data --target default --output runs/data-smollm2 --prompts "$DATA/gsm8k/train.jsonl" --limit 448 \
-    --synthesize 128 --max-new-tokens 256 --batch-size 32 --shard-size 64 --seed 0
+# Stage 1 (session 1): 576 prompts, transformers' generate, trained from the target's top layers.
+if [ ! -f runs/dflash-smollm2/final/model.safetensors ]; then
+  $BS data --target default --output runs/data-smollm2 --prompts "$DATA/gsm8k/train.jsonl" --limit 448 \
+      --synthesize 128 --max-new-tokens 256 --batch-size 32 --shard-size 64 --seed 0
+  RESUME=""
+  [ -f runs/dflash-smollm2/latest/trainer_state.pt ] && RESUME="--resume"
+  $BS train $RESUME --target default --data runs/data-smollm2 --output runs/dflash-smollm2 \
+      --num-layers 2 --target-layer-ids 1,8,15,22,27 --block-size 16 --draft-vocab-size 8192 \
+      --num-anchors 24 --batch-size 4 --lr 1e-3 --epochs 10 --max-length 1024 \
+      --eval-every 100 --eval-prompts 4 --eval-max-new-tokens 64 --save-every 25 --seed 0
+fi
 
-RESUME=""
-[ -f runs/dflash-smollm2/latest/trainer_state.pt ] && RESUME="--resume"
-$BS train $RESUME --target default --data runs/data-smollm2 --output runs/dflash-smollm2 \
-    --num-layers 2 --target-layer-ids 1,8,15,22,27 --block-size 16 --draft-vocab-size 8192 \
-    --num-anchors 24 --batch-size 4 --lr 1e-3 --epochs 10 --max-length 1024 \
-    --eval-every 100 --eval-prompts 4 --eval-max-new-tokens 64 --save-every 25 --seed 0
+# Stage 2 (session 2): more varied prompts (the next 1000 GSM8K train questions, the
+# project's own coding tasks and everyday questions, 160 self-synthesized), regenerated
+# with the lean batched decoder which also stores the features training needs; then a
+# warm start from stage 1 on both datasets.
+$BS data --target default --output runs/data2-smollm2 --prompts "$DATA/gsm8k/train.jsonl[448:1448]" \
+    --prompts builtin:coding_tasks --prompts builtin:everyday_questions --synthesize 160 \
+    --max-new-tokens 256 --batch-size 64 --shard-size 128 --feature-layers 1,8,15,22,27 --seed 1
+if [ ! -f runs/dflash2-smollm2/final/model.safetensors ]; then
+  RESUME=""
+  [ -f runs/dflash2-smollm2/latest/trainer_state.pt ] && RESUME="--resume"
+  $BS train $RESUME --target default --data runs/data2-smollm2,runs/data-smollm2 --output runs/dflash2-smollm2 \
+      --init-from runs/dflash-smollm2/final \
+      --num-layers 2 --target-layer-ids 1,8,15,22,27 --block-size 16 --draft-vocab-size 8192 \
+      --num-anchors 24 --batch-size 4 --lr 1e-3 --warmup-ratio 0.02 --epochs 4 --max-length 1024 \
+      --eval-every 200 --eval-prompts 6 --eval-max-new-tokens 64 --save-every 50 --seed 0
+fi
 
-.venv/bin/python scripts/ship_drafter.py runs/dflash-smollm2/final \
-    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/dflash-smollm2/metrics.png
+.venv/bin/python scripts/ship_drafter.py runs/dflash2-smollm2/final \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/dflash2-smollm2/metrics.png

@@ -68,3 +68,36 @@ def test_end_to_end_on_two_prompts_flags_an_injected_mismatch(tmp_path, monkeypa
     monkeypatch.setattr(runner, "run_prompt", corrupt)
     broken = run_bench(target, methods, ["gsm8k"], data_dir=str(DATA_DIR), limit=1, max_new_tokens=8)
     assert broken.mismatches and broken.mismatches[0][0] == "prompt-lookup"
+
+
+def test_method_names_parse_into_the_registry():
+    from blockspec.bench.runner import parse_methods
+    from blockspec.errors import InvalidArgumentError
+
+    methods = parse_methods("baseline,prompt-lookup,dflash-b4,hf-generate,hf-prompt-lookup,hf-dflash-b16", "/drafter")
+    assert [(m.name, m.drafter, m.block_size, m.engine) for m in methods] == [
+        ("baseline", "none", 1, "blockspec"), ("prompt-lookup", "prompt-lookup", 8, "blockspec"),
+        ("dflash-b4", "/drafter", 4, "blockspec"), ("hf-generate", "none", 1, "hf-generate"),
+        ("hf-prompt-lookup", "none", 1, "hf-prompt-lookup"), ("hf-dflash-b16", "/drafter", 16, "hf-dflash")]
+    assert [m.name for m in parse_methods("baseline,dflash-b8", None)] == ["baseline"]  # no drafter: skipped
+    with pytest.raises(InvalidArgumentError, match="unknown bench method"):
+        parse_methods("baseline,medusa", None)
+    with pytest.raises(InvalidArgumentError, match="first bench method"):
+        parse_methods("prompt-lookup,baseline", None)
+
+
+@pytest.mark.real
+@needs_data
+def test_transformers_peers_run_interleaved_and_match_the_baseline():
+    from blockspec.bench.runner import parse_methods
+    from blockspec.drafters.registry import shipped_drafter_for
+    from blockspec.targets.loading import load_target
+
+    target = load_target("default")
+    methods = parse_methods("baseline,hf-generate,hf-prompt-lookup,hf-dflash-b8", str(shipped_drafter_for(target)))
+    result = run_bench(target, methods, ["gsm8k"], data_dir=str(DATA_DIR), limit=1, max_new_tokens=24)
+    assert not result.mismatches  # transformers' three paths give the baseline's tokens at T=0
+    rows = {r["method"]: r for r in summarize(result, methods)}
+    assert rows["hf-generate"]["tau"] == pytest.approx(1.0)
+    for name in ("hf-prompt-lookup", "hf-dflash-b8"):
+        assert rows[name]["tau"] >= 1.0 and rows[name]["speedup_median"] > 0

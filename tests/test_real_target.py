@@ -139,3 +139,29 @@ def test_cli_drafter_problems_are_one_clear_line(drafter_folders):
         assert message in proc.stderr, proc.stderr
     ok = cli("generate", "hi", "--drafter", str(drafter_folders / "b8"), "--max-new-tokens", "8")
     assert "drafter=dflash block=8" in ok.stdout
+
+
+def test_data_stores_features_that_training_reads_instead_of_running_the_target(target, tmp_path):
+    from blockspec.training.config import TrainConfig
+    from blockspec.training.data import DataConfig, build_dataset, load_records
+    from blockspec.training.trainer import DFlashTrainer
+
+    layers = [1, 8, 15, 22, 27]
+    config = DataConfig(output=str(tmp_path / "data"), prompts=["builtin:everyday_questions[:3]"], max_new_tokens=12,
+                        batch_size=2, shard_size=2, feature_layers=layers)
+    build_dataset(target, config)
+    (tmp_path / "data" / "shard-00001.jsonl").unlink()  # as if killed before the last shard
+    build_dataset(target, config)  # resumes: regenerates only that shard
+    records = load_records(tmp_path / "data")
+    assert len(records) == 3 and all(r["features_ref"][2] == tuple(layers) for r in records)
+    with pytest.raises(blockspec.InvalidArgumentError, match="feature_layers"):
+        build_dataset(target, DataConfig(output=str(tmp_path / "data"), prompts=config.prompts, max_new_tokens=12))
+    trainer = DFlashTrainer(TrainConfig(num_layers=1, target_layer_ids=layers, holdout=0), target, records)
+    stored = trainer._target_features(list(range(3)))
+    trainer._features.clear()
+    for record in trainer.train_records:
+        del record["features_ref"]
+    computed = trainer._target_features(list(range(3)))
+    for a, b in zip(stored, computed):
+        assert a.shape[0] in (b.shape[0] - 1, b.shape[0])  # the last token was never fed back
+        torch.testing.assert_close(a.float(), b[: a.shape[0]].float(), atol=0.15, rtol=2e-2)

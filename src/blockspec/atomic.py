@@ -6,17 +6,22 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
+    write_with(path, lambda staging: Path(staging).write_text(text))
+
+
+def write_with(path: str | os.PathLike, writer: Callable[[str], object]) -> None:
+    """`writer(staging_path)` writes the file; it then replaces `path` in one rename."""
     path = Path(path)
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
     try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
+        writer(staging)
         os.chmod(staging, 0o644)  # mkstemp creates 0600
         os.replace(staging, path)
     finally:

@@ -18,6 +18,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _layer_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer ids like 1,8,15, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one layer id")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="Lossless block-diffusion speculative decoding.")
     parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
@@ -53,14 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="build a training set whose responses the target regenerates")
     data.add_argument("--output", required=True, help="folder for the shards (rerun to resume)")
     data.add_argument("--target", default="default")
-    data.add_argument("--prompts", default=None, help="JSONL file, datasets name or local dataset folder")
+    data.add_argument("--prompts", action="append", default=None, metavar="SOURCE",
+                      help="JSONL file, datasets name, local dataset folder or builtin:coding_tasks / "
+                           "builtin:everyday_questions, optionally sliced as SOURCE[start:stop]; repeatable")
     data.add_argument("--split", default="train")
-    data.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts of --prompts")
+    data.add_argument("--limit", type=_positive_int, default=None, help="at most N prompts from each source")
     data.add_argument("--synthesize", type=int, default=0, help="add N prompts written by the target itself")
     data.add_argument("--max-new-tokens", type=_positive_int, default=256)
     data.add_argument("--temperature", type=float, default=0.0)
-    data.add_argument("--batch-size", type=_positive_int, default=16)
-    data.add_argument("--shard-size", type=_positive_int, default=64)
+    data.add_argument("--batch-size", type=_positive_int, default=64)
+    data.add_argument("--shard-size", type=_positive_int, default=128)
+    data.add_argument("--feature-layers", type=_layer_ids, default=None, metavar="IDS",
+                      help="also store these target layers' features (fp16), e.g. 1,8,15,22,27: training then "
+                           "skips the target pass (use the drafter's target_layer_ids)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--threads", type=_positive_int, default=None)
     data.set_defaults(run=_data)
@@ -75,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--target", default="default")
     check.set_defaults(run=_check_drafter)
 
+    export = commands.add_parser("export", help="write a drafter in the format of transformers or speculators")
+    export.add_argument("folder", help="a blockspec (reference-format) drafter folder")
+    export.add_argument("output", help="folder to write")
+    export.add_argument("--to", required=True, choices=["transformers", "speculators"], dest="format")
+    export.add_argument("--target", default=None,
+                        help="the target (fills special token ids, the verifier's architectures and, for a reduced "
+                             "draft vocabulary, the speculators lm_head)")
+    export.add_argument("--verifier", default=None, help="name_or_path written as the speculators verifier")
+    export.set_defaults(run=_export)
+
+    imp = commands.add_parser("import", help="bring a DFlash drafter (reference, transformers or speculators format; "
+                                              "a folder or a hub id) into blockspec's format")
+    imp.add_argument("source")
+    imp.add_argument("output")
+    imp.add_argument("--target", default=None, help="fills what the format lacks (vocabulary size, layer count)")
+    imp.set_defaults(run=_import)
+
     bench = commands.add_parser("bench", help="speedup and acceptance of every method vs plain decoding")
     bench.add_argument("--target", default="default")
     bench.add_argument("--drafter", default="auto", help="DFlash drafter folder ('auto': the shipped one)")
@@ -84,8 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=_positive_int, default=10, help="prompts per dataset (seeded subset)")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--block-sizes", default="16,8", help="DFlash block sizes to run")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated, the first is the baseline (default: baseline, prompt-lookup, dflash-b16, "
+                            "dflash-b8, hf-generate, hf-prompt-lookup, hf-dflash-b16); dflash-bN for any block size N")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--quick", action="store_true",
+                       help="T=0, at most 64 new tokens, 2 prompts per dataset; baseline, transformers generate, "
+                            "prompt lookup and blockspec DFlash (B=8)")
+    bench.add_argument("--no-memory", action="store_true",
+                       help="skip the peak-memory runs (one process per method, one prompt each)")
     bench.add_argument("--threads", type=_positive_int, default=None)
     bench.add_argument("--output", default="runs/bench")
     bench.set_defaults(run=_bench)
@@ -158,7 +197,7 @@ def _data(args) -> int:
     config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
                         synthesize=args.synthesize, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
-                        seed=args.seed)
+                        seed=args.seed, feature_layers=args.feature_layers)
     build_dataset(load_target(args.target, threads=args.threads), config)
     return 0
 
@@ -190,41 +229,81 @@ def _check_drafter(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from blockspec.export.convert import export_drafter
+    from blockspec.targets.loading import load_target
+
+    target = load_target(args.target) if args.target else None
+    out = export_drafter(args.folder, args.format, args.output, target=target, verifier=args.verifier)
+    print(f"{args.folder} -> {out} ({args.format} format)")
+    return 0
+
+
+def _import(args) -> int:
+    from blockspec.export.convert import import_drafter
+    from blockspec.targets.loading import load_target
+
+    target = load_target(args.target) if args.target else None
+    out = import_drafter(args.source, args.output, target=target)
+    print(f"{args.source} -> {out} (blockspec / reference format)")
+    return 0
+
+
 def _bench(args) -> int:
     from pathlib import Path
 
-    from blockspec.bench.runner import Method, report, run_bench, summarize
+    from blockspec.bench.runner import DEFAULT_METHODS, machine_description, parse_methods, report, run_bench, summarize
     from blockspec.drafters.registry import shipped_drafter_for
     from blockspec.targets.loading import load_target
 
     if args.temperature < 0:
         raise BlockspecError(f"temperature must be >= 0, got {args.temperature}")
+    if args.quick:
+        args.temperature, args.limit = 0.0, min(args.limit, 2)
+        args.max_new_tokens = min(args.max_new_tokens, 64)
+        args.methods = args.methods or "baseline,hf-generate,prompt-lookup,dflash-b8"
     target = load_target(args.target, threads=args.threads)
-    methods = [Method("baseline", "none", 1), Method("prompt-lookup", "prompt-lookup", 8)]
     drafter = args.drafter
     if drafter == "auto":
         shipped = shipped_drafter_for(target)
         drafter = str(shipped) if shipped else None
-    if drafter:
-        for block in (int(b) for b in args.block_sizes.split(",") if b.strip()):
-            methods.append(Method(f"dflash-b{block}", drafter, block))
+    methods = parse_methods(args.methods or DEFAULT_METHODS, drafter)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     result = run_bench(target, methods, datasets, data_dir=args.data_dir, limit=args.limit,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     meta = {"target": target.name, "drafter": drafter, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed, "command": " ".join(sys.argv)}
+            "temperature": args.temperature, "seed": args.seed, "command": " ".join(sys.argv),
+            "machine": machine_description()}
     rows = summarize(result, methods)
     from blockspec.bench.costs import measure_costs
     from blockspec.drafters.registry import load_drafter
 
     costs = {}
     for method in methods[1:]:
+        if method.engine != "blockspec":
+            continue
         costs[method.name] = measure_costs(target, load_drafter(method.drafter, target), method.block_size)
     for row in rows:
         cost = costs.get(row["method"])
         if cost and "d" in cost:
             row.update(r=cost["r"], d=cost["d"], predicted_speedup=row["tau"] / (cost["r"] + cost["d"]))
     meta["costs"] = costs
+    from blockspec.bench.costs import roofline
+
+    meta["roofline"] = roofline(target)
+    baseline_rate = next((r["tokens_per_s"] for r in rows if r["method"] == "baseline"), None)
+    print(f"memory bandwidth {meta['roofline']['bandwidth_gb_s']:.1f} GB/s, {meta['roofline']['bytes_per_step_mb']:.0f} MB "
+          f"read per decode step -> plain decoding ceiling {meta['roofline']['ceiling_tokens_per_s']:.1f} tokens/s"
+          + (f"; the baseline reached {baseline_rate:.1f} tokens/s" if baseline_rate else ""))
+    if not args.no_memory:
+        from blockspec.bench.datasets import load_prompts
+        from blockspec.bench.memory import measure_in_subprocess
+
+        probe = load_prompts(datasets[0], args.data_dir, 1, args.seed)[0].turns[0]
+        meta["peak_memory"] = [measure_in_subprocess(args.target, m.name, drafter, probe, args.max_new_tokens,
+                                                     args.threads) for m in methods]
+        for entry in meta["peak_memory"]:
+            print(f"peak memory {entry}")
     report(rows, Path(args.output), meta)
     for name, cost in costs.items():
         if "d" in cost:

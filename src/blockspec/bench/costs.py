@@ -47,3 +47,36 @@ def measure_costs(target, drafter, block_size: int, context_len: int = 256, repe
     if draft:
         result.update(draft_s=statistics.median(draft), d=statistics.median(draft) / decode_s)
     return result
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Sustained memory read bandwidth in bytes/s: the best of several full reads of a
+    buffer far larger than the caches (a sum reads every byte once)."""
+    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    buffer.sum()  # touch every page first
+    best = min(_timed(buffer.sum) for _ in range(repeats))
+    return buffer.numel() * 4 / best
+
+
+def decode_step_bytes(target, context_len: int = 256) -> int:
+    """Bytes one plain decode step must read at least: every weight once (a tied
+    embedding / LM head counts once: the lookup reads one row, the head all of it) plus
+    the KV cache of `context_len` positions."""
+    seen, weights = set(), 0
+    for parameter in target.model.parameters():
+        if parameter.data_ptr() not in seen:
+            seen.add(parameter.data_ptr())
+            weights += parameter.numel() * parameter.element_size()
+    config = target.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * target.num_layers * heads * head_dim * context_len * target.dtype.itemsize
+    return weights + kv
+
+
+def roofline(target, context_len: int = 256) -> dict:
+    """The memory-bound ceiling of plain decoding: bandwidth / bytes per step, in tokens/s."""
+    bandwidth = measure_bandwidth()
+    step_bytes = decode_step_bytes(target, context_len)
+    return {"bandwidth_gb_s": bandwidth / 1e9, "bytes_per_step_mb": step_bytes / 1e6, "context_len": context_len,
+            "ceiling_tokens_per_s": bandwidth / step_bytes}

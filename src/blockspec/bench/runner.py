@@ -12,7 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from blockspec.bench.datasets import BenchPrompt, load_prompts
-from blockspec.drafters.registry import load_drafter
+from blockspec.bench.peers import PEER_KINDS, TransformersPeer
+from blockspec.drafters.registry import NAMED_DRAFTERS, load_drafter
+from blockspec.errors import InvalidArgumentError
 from blockspec.pipeline import SpecDecoder
 
 
@@ -21,6 +23,42 @@ class Method:
     name: str
     drafter: str  # "none", a registered name, or a drafter folder
     block_size: int = 16
+    engine: str = "blockspec"  # or a transformers peer: hf-generate, hf-prompt-lookup, hf-dflash
+
+    def build(self, target):
+        if self.engine == "blockspec":
+            return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size)
+        return TransformersPeer(target, self.engine, self.drafter, self.block_size)
+
+
+DEFAULT_METHODS = "baseline,prompt-lookup,dflash-b16,dflash-b8,hf-generate,hf-prompt-lookup,hf-dflash-b16"
+
+
+def parse_methods(names: str, drafter: str | None) -> list[Method]:
+    """Method names -> methods; the first is the baseline. `baseline` (blockspec's plain
+    loop), any drafter registered by name (e.g. `prompt-lookup`), `dflash-bN` (the DFlash
+    drafter at block size N), the transformers peers `hf-generate`, `hf-prompt-lookup`
+    and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter)."""
+    methods = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
+        if name == "baseline":
+            methods.append(Method(name, "none", 1))
+        elif name in NAMED_DRAFTERS:
+            methods.append(Method(name, name, 8))
+        elif name in ("hf-generate", "hf-prompt-lookup"):
+            methods.append(Method(name, "none", 1, engine=name))
+        elif block and drafter:
+            engine = "hf-dflash" if name.startswith("hf-") else "blockspec"
+            methods.append(Method(name, drafter, block, engine=engine))
+        elif block:
+            continue  # no DFlash drafter for this target: nothing to run
+        else:
+            known = ["baseline", *NAMED_DRAFTERS, "dflash-bN", *PEER_KINDS[:2], "hf-dflash-bN"]
+            raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
+    if not methods or methods[0].name != "baseline":
+        raise InvalidArgumentError("the first bench method must be `baseline` (the plain loop every ratio uses)")
+    return methods
 
 
 @dataclass
@@ -68,7 +106,7 @@ def run_prompt(decoder: SpecDecoder, prompt: BenchPrompt, max_new_tokens: int, t
 
 def run_bench(target, methods: list[Method], datasets: list[str], *, data_dir: str | None, limit: int | None,
               max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> BenchResult:
-    decoders = {m.name: SpecDecoder(target, load_drafter(m.drafter, target), m.block_size) for m in methods}
+    decoders = {m.name: m.build(target) for m in methods}
     baseline = methods[0].name
     result = BenchResult()
     for dataset in datasets:
@@ -110,6 +148,27 @@ def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
     return rows
 
 
+def machine_description() -> dict:
+    """What a reader needs to compare numbers across machines."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+    import transformers
+
+    import blockspec
+
+    cpu = platform.processor() or "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "blockspec": blockspec.__version__}
+
+
 def report(rows: list[dict], output: Path, meta: dict) -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
@@ -126,6 +185,21 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
     markdown += [f"| {r['method']} | {r['dataset']} | {r['prompts']} | {r['speedup_median']:.2f}x | "
                  f"{r['speedup_p25']:.2f}-{r['speedup_p75']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                  f"{r['mismatches']} |" for r in rows]
+    costs = meta.get("costs") or {}
+    if costs:
+        markdown += ["", "| method | decode(1) ms | verify(B) ms | r | draft ms | d |", "|---|---|---|---|---|---|"]
+        markdown += [f"| {name} | {c['decode_s'] * 1e3:.1f} | {c['verify_s'] * 1e3:.1f} | {c['r']:.2f} | "
+                     f"{c.get('draft_s', 0) * 1e3:.1f} | {c.get('d', 0):.2f} |" for name, c in costs.items()]
+    if meta.get("roofline"):
+        line = meta["roofline"]
+        markdown += ["", f"Memory bandwidth {line['bandwidth_gb_s']:.1f} GB/s; a decode step reads at least "
+                         f"{line['bytes_per_step_mb']:.0f} MB (weights + KV at {line['context_len']} tokens): plain "
+                         f"decoding cannot exceed {line['ceiling_tokens_per_s']:.1f} tokens/s here."]
+    if meta.get("peak_memory"):
+        markdown += ["", "| method | peak RSS (MB, own process) | after loading the target | added by the method |",
+                     "|---|---|---|---|"]
+        markdown += [f"| {e.get('method')} | {e.get('peak_rss_mb')} | {e.get('peak_rss_mb_after_load')} | "
+                     f"{e.get('added_mb', e.get('error'))} |" for e in meta["peak_memory"]]
     (output / "table.md").write_text("\n".join(markdown) + "\n")
     _plot(rows, output / "bench.png")
 
@@ -138,18 +212,28 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     datasets = sorted({r["dataset"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         got = {r["dataset"]: r for r in rows if r["method"] == method}
         xs = [d + i * width for d in range(len(datasets))]
         axes[0].bar(xs, [got[d]["speedup_median"] if d in got else 0 for d in datasets], width, label=method)
         axes[1].bar(xs, [got[d]["tau"] if d in got else 0 for d in datasets], width, label=method)
-    for axis, title in zip(axes, ["median speedup vs plain decoding (decode only)", "acceptance length tau"]):
+        accept = [r["accept_by_pos"] for r in rows if r["method"] == method and r["accept_by_pos"]]
+        if accept:  # averaged over datasets
+            width_k = min(len(a) for a in accept)
+            mean = [sum(a[k] for a in accept) / len(accept) for k in range(width_k)]
+            axes[2].plot(range(1, width_k + 1), mean, marker="o", label=method)
+    for axis, title in zip(axes[:2], ["median speedup vs plain decoding (decode only)", "acceptance length tau"]):
         axis.set_xticks([d + 0.4 - width / 2 for d in range(len(datasets))], datasets)
         axis.set_title(title, fontsize=10)
+    axes[2].set_title("accepted at draft position k (mean over datasets)", fontsize=10)
+    axes[2].set_xlabel("draft position k")
+    axes[2].set_ylim(0, 1)
     axes[0].axhline(1.0, color="grey", lw=0.8)
     axes[0].legend(fontsize=8)
+    if axes[2].lines:
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from blockspec.targets.cache import new_cache
+
 
 def crop_cache_to_length(cache: DynamicCache, length: int) -> None:
     """Roll `cache` back so that it holds exactly the first `length` positions.
@@ -117,7 +119,7 @@ class TargetAdapter:
     # --- decoding on a KV cache ----------------------------------------------
     def reset(self) -> None:
         """Start a new sequence with an empty cache that can always roll back."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)  # full-attention layers grow in place
         # Sliding-window layers (Gemma 3) otherwise drop states as soon as they
         # leave the window and can no longer be cropped: keep them until we crop.
         self.cache.activate_past_recording()

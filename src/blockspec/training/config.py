@@ -16,7 +16,7 @@ from blockspec.errors import InvalidArgumentError
 class TrainConfig:
     # what to train, for which target, on what
     target: str = "default"
-    data: str = ""  # a folder written by `blockspec data`
+    data: str = ""  # folder(s) written by `blockspec data`, joined by commas
     output: str = "runs/dflash"
     # drafter shape
     num_layers: int = 1
@@ -28,6 +28,9 @@ class TrainConfig:
     # Start the draft layers as copies of the target's top layers (same shapes), with fc
     # selecting the last feature layer: sample efficiency matters more than anything on a CPU.
     init_from_target: bool = True
+    # Warm start: the weights of a drafter trained before (same shape), e.g. on an earlier,
+    # smaller dataset. Its draft vocabulary is recomputed on this data (the head is frozen).
+    init_from: str | None = None
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8

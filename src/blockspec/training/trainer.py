@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from tqdm import tqdm
 
 from blockspec.atomic import replace_dir, write_text
@@ -167,6 +168,8 @@ class DFlashTrainer:
         self.model = DFlashDraftModel(drafter_config)
         if config.init_from_target:
             init_from_target_layers(self.model, target)
+        if config.init_from:
+            self._warm_start(config.init_from)
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
         if config.draft_vocab_size:
@@ -203,6 +206,19 @@ class DFlashTrainer:
         self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
         self.output = Path(config.output)
 
+    def _warm_start(self, folder: str) -> None:
+        try:
+            source = DFlashDraftModel.from_pretrained(folder)
+        except (OSError, ValueError) as error:
+            raise InvalidArgumentError(f"init_from {folder}: {error}") from None
+        mine, theirs = self.model.config, source.config
+        for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "target_layer_ids"):
+            if getattr(mine, field) != getattr(theirs, field):
+                raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
+                                           f"{getattr(mine, field)}")
+        state = {k: v for k, v in source.state_dict().items() if k != "d2t"}
+        self.model.load_state_dict(state, strict=False)
+
     # --- data ----------------------------------------------------------------------
     def _sequence(self, record: dict) -> tuple[torch.Tensor, int]:
         ids = (record["prompt_ids"] + record["response_ids"])[: self.config.max_length]
@@ -210,7 +226,15 @@ class DFlashTrainer:
 
     @torch.inference_mode()
     def _target_features(self, indices: list[int]) -> list[torch.Tensor]:
+        layer_ids = tuple(self.model.config.target_layer_ids)
         missing = [i for i in indices if i not in self._features]
+        stored = [i for i in missing if self.train_records[i].get("features_ref", (None, None, None))[2] == layer_ids]
+        for index in stored:  # captured by `blockspec data` while it generated
+            path, key, _ = self.train_records[index]["features_ref"]
+            with safe_open(path, framework="pt") as handle:
+                length = self._sequence(self.train_records[index])[0].numel()
+                self._features[index] = handle.get_tensor(key)[:length].to(torch.float16)
+        missing = [i for i in missing if i not in self._features]
         if missing:
             sequences = [self._sequence(self.train_records[i])[0] for i in missing]
             width = max(s.numel() for s in sequences)
@@ -218,7 +242,6 @@ class DFlashTrainer:
             attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
             out = self.target.model(input_ids=ids.to(self.target.device), attention_mask=attention.to(self.target.device),
                                     output_hidden_states=True, logits_to_keep=1)
-            layer_ids = self.model.config.target_layer_ids
             stacked = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
             for row, index in enumerate(missing):
                 # fp16 in memory: the features of a whole dataset must fit in RAM for reuse each epoch

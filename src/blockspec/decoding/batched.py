@@ -1,0 +1,93 @@
+"""Plain (non-speculative) batched decoding, lean: the loop `blockspec data` uses to
+regenerate responses with the target.
+
+Rows are left-padded to one width and decoded together on one KV cache; positions
+come from each row's own attention mask, so padding never shifts a row. A row that
+ends (EOS or its token budget) leaves the batch at once: its cache rows are
+dropped, so the remaining rows stop paying for it. The LM head runs on the last
+position only. At T=0 every row equals plain greedy decoding of its prompt alone,
+up to the float rounding that padding can move (the near-tie rule of the tests).
+
+With `feature_layers`, the hidden states of those layers (layer id i = output of
+decoder layer i, i.e. hidden_states[i + 1], the drafters' convention) are kept for
+every prompt and response token the target ran, in fp16: training then reads them
+instead of running the target again. The last response token is never fed back,
+so its row is absent (no drafter context ever needs it).
+"""
+
+from __future__ import annotations
+
+import torch
+from blockspec.targets.cache import new_cache
+
+
+@torch.inference_mode()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_token_ids: tuple[int, ...] | list[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    feature_layers: list[int] | None = None,
+) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
+    """Decode every prompt; each response ends with its first EOS (kept) or at `max_new_tokens`.
+    With `feature_layers`, also return one [len(prompt) + len(response) - 1, len(layers) * hidden]
+    fp16 tensor per row."""
+    if not prompts:
+        return []
+    if any(not prompt for prompt in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+    pad = int(eos[0]) if eos.numel() else 0
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = new_cache(model.config)
+    capture = feature_layers is not None
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1, output_hidden_states=capture)
+    logits = out.logits[:, -1]
+    responses: list[list[int]] = [[] for _ in prompts]
+    features: list[list[torch.Tensor]] = [[] for _ in prompts]
+    if capture:
+        stacked = _features(out, feature_layers)
+        for row, prompt in enumerate(prompts):
+            features[row].append(stacked[row, width - len(prompt):].clone())
+    alive = torch.arange(len(prompts), device=device)  # original index of each row still decoding
+    next_position = positions[:, -1] + 1
+    for step in range(max_new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            tokens = logits.argmax(dim=-1)
+        for row, token in zip(alive.tolist(), tokens.tolist()):
+            responses[row].append(token)
+        finished = torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            break
+        if bool(finished.any()):
+            keep = (~finished).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            alive, tokens, mask, next_position = alive[keep], tokens[keep], mask[keep], next_position[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                    past_key_values=cache, use_cache=True, output_hidden_states=capture)
+        logits = out.logits[:, -1]
+        if capture:
+            stacked = _features(out, feature_layers)
+            for position, row in enumerate(alive.tolist()):
+                features[row].append(stacked[position])
+        next_position = next_position + 1
+    if not capture:
+        return responses
+    return responses, [torch.cat(parts) for parts in features]
+
+
+def _features(out, layer_ids: list[int]) -> torch.Tensor:
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)
