@@ -107,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--target", default=None, help="fills what the format lacks (vocabulary size, layer count)")
     imp.set_defaults(run=_import)
 
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    serve.add_argument("--target", default="default")
+    serve.add_argument("--drafter", default="auto")
+    serve.add_argument("--block-size", type=_positive_int, default=8)
+    serve.add_argument("--host", default="127.0.0.1", help="loopback by default; 0.0.0.0 exposes the server")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the target)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
+    serve.add_argument("--max-queue", type=_positive_int, default=32, help="queued requests beyond this get HTTP 429")
+    serve.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, queue included")
+    serve.add_argument("--threads", type=_positive_int, default=None)
+    serve.set_defaults(run=_serve)
+
     bench = commands.add_parser("bench", help="speedup and acceptance of every method vs plain decoding")
     bench.add_argument("--target", default="default")
     bench.add_argument("--drafter", default="auto", help="DFlash drafter folder ('auto': the shipped one)")
@@ -226,6 +239,23 @@ def _check_drafter(args) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return 1
     print(f"{args.folder}: OK, a valid DFlash drafter for target {args.target}")
+    return 0
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    import blockspec
+    from blockspec.serve.app import ServerConfig, create_app
+
+    if not 0 < args.port < 65536:
+        raise BlockspecError(f"port must be in 1..65535, got {args.port}")
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads)
+    config = ServerConfig(model_name=args.model_name or args.target, api_key=args.api_key, max_queue=args.max_queue,
+                          request_timeout_s=args.request_timeout)
+    print(f"serving {config.model_name} (drafter {decoder.drafter.name if decoder.drafter else 'none'}, "
+          f"block {decoder.block_size}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(decoder, config), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from blockspec.decoding.engine import SpecEngine
@@ -20,7 +20,10 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled"
+    prompt_tokens: int = 0
+    # per token: (log-probability under the target, [(id, log-probability)] of the top ones)
+    logprobs: list | None = None
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.as_dict(),
@@ -59,7 +62,11 @@ class SpecDecoder:
 
     def _run(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: list[str] | None = None, raw: bool = False,
-             stop_token_ids: tuple[int, ...] | None = None) -> Iterator[str]:
+             stop_token_ids: tuple[int, ...] | None = None, logprobs: int | None = None,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+        """`logprobs`: also record the target's log-probability of each token and of its
+        `logprobs` best alternatives. `should_stop`: polled between committed chunks (a
+        client gone, a deadline passed); when it returns True the run ends, "cancelled"."""
         if isinstance(prompt, str) and not prompt.strip():
             raise InvalidArgumentError("the prompt is empty")
         if isinstance(prompt, list) and not prompt:
@@ -73,10 +80,15 @@ class SpecDecoder:
         finish_reason = "length"
         text = ""
         eos = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        sink = [] if logprobs is not None else None
         chunks = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, params=params,
-                                      stop_token_ids=stop_token_ids, stats=stats)
+                                      stop_token_ids=stop_token_ids, stats=stats, logprobs=sink,
+                                      top_logprobs=logprobs or 0)
         try:
             for chunk in chunks:
+                if should_stop is not None and should_stop():
+                    finish_reason = "cancelled"
+                    break
                 tokens.extend(chunk)
                 text = self.target.decode(tokens)
                 if chunk[-1] in eos:
@@ -96,7 +108,9 @@ class SpecDecoder:
         if len(text) > emitted:
             yield text[emitted:]
         stats.new_tokens = len(tokens)
-        self._result = GenerationResult(text=text, token_ids=tokens, stats=stats, finish_reason=finish_reason)
+        self._result = GenerationResult(text=text, token_ids=tokens, stats=stats, finish_reason=finish_reason,
+                                        prompt_tokens=len(prompt_ids),
+                                        logprobs=None if sink is None else sink[: len(tokens)])
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -45,9 +45,15 @@ class SpecEngine:
         params: SamplingParams = SamplingParams(),
         stop_token_ids: tuple[int, ...] | None = None,
         stats: GenerationStats | None = None,
+        logprobs: list | None = None,
+        top_logprobs: int = 0,
     ) -> Iterator[list[int]]:
         """Yield committed tokens chunk by chunk (each chunk is final). Stops after an
-        EOS/stop id (included, nothing after it) or `max_new_tokens` tokens."""
+        EOS/stop id (included, nothing after it) or `max_new_tokens` tokens.
+
+        With a `logprobs` list, one entry per committed token is appended before its
+        chunk is yielded: (log-probability of the token under the target's own
+        distribution, [(id, log-probability)] of its `top_logprobs` best tokens)."""
         target, drafter = self.target, self.drafter
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
         if prompt.numel() == 0:
@@ -69,6 +75,8 @@ class SpecEngine:
         out = target.forward(prompt, layer_ids)
         target.rollback(prompt.numel())  # trims sliding-window layers; removes nothing
         first = next_token(out.logits[-1], params, generator)
+        if logprobs is not None:
+            _record_logprobs(logprobs, out.logits[-1:], [first], top_logprobs)
         if drafter is not None:
             drafter.begin(prompt, out.features)
         tokens = torch.cat([prompt, torch.tensor([first])])  # committed; the last one is the anchor
@@ -99,6 +107,8 @@ class SpecEngine:
                     if token in stop_ids:
                         new = new[: index + 1]
                         break
+                if logprobs is not None:  # row i of the verify pass is the target's distribution for new[i]
+                    _record_logprobs(logprobs, out.logits[: len(new)], new, top_logprobs)
                 tokens = torch.cat([tokens, torch.tensor(new)])
                 stats.new_tokens += len(new)
                 yield new
@@ -116,3 +126,10 @@ class SpecEngine:
         if draft.probs is None:
             return accept_by_matching_samples(logits, draft.tokens, params, generator)
         return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, generator)
+
+
+def _record_logprobs(sink: list, logits: torch.Tensor, tokens: list[int], top: int) -> None:
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    for row, token in zip(log_probs, tokens):
+        best = row.topk(top) if top else None
+        sink.append((float(row[token]), [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))))

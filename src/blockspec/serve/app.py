@@ -1,0 +1,482 @@
+"""`blockspec serve`: an OpenAI-compatible HTTP server over one SpecDecoder.
+
+One worker thread owns the model and runs requests one at a time, in arrival order,
+from a bounded queue (full: HTTP 429); the HTTP side (FastAPI + uvicorn) only
+validates, queues and relays. Each request's chunks go back through an asyncio
+queue, so a streaming client sees text as soon as the engine commits it. A client
+that disconnects, or a request past its deadline, is cancelled between two engine
+steps and frees the worker at once.
+
+Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`):
+400 for a bad request (malformed JSON, a known field with a wrong type or value,
+an unknown model, a prompt that is empty or does not fit), 401 for a missing or
+wrong API key, 429 when the queue is full, 504 when a request runs out of time.
+Fields the server does not use are ignored, as OpenAI clients send many.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blockspec.errors import BlockspecError
+
+MAX_N = 8
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# --- request schemas: unknown fields ignored, known ones strictly checked ---------------
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    model: str
+    max_tokens: int | None = Field(default=None)
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if value < 0:
+            raise ValueError("temperature must be >= 0")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value):
+        if not 0 < value <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value):
+        if value < 0:
+            raise ValueError("top_k must be >= 0 (0: off)")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value):
+        if not 1 <= value <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("must be > 0")
+        return value
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value):
+        if value is not None and not 0 <= value <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top(cls, value):
+        if value is not None and not 0 <= value <= 20:
+            raise ValueError("top_logprobs must be between 0 and 20")
+        return value
+
+
+# --- metrics -------------------------------------------------------------------------
+
+class Metrics:
+    """Counters named like the serving engines' speculative metrics."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("blockspec_requests", "Requests served (finished, any outcome)", ["route"], registry=r)
+        self.errors = Counter("blockspec_request_errors", "Requests answered with an error", ["status"], registry=r)
+        self.prompt_tokens = Counter("blockspec_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("blockspec_generation_tokens", "Tokens generated", registry=r)
+        self.drafts = Counter("blockspec_spec_decode_num_drafts", "Verify steps that checked a draft", registry=r)
+        self.draft_tokens = Counter("blockspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("blockspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       registry=r)
+        self.accepted_per_pos = Counter("blockspec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.tpot = Histogram("blockspec_time_per_output_token_seconds", "Decode time per output token",
+                              buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
+                              registry=r)
+
+    def record(self, result) -> None:
+        stats = result.stats
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.generation_tokens.inc(len(result.token_ids))
+        proposed = sum(stats.proposed_by_pos)
+        if proposed:
+            self.drafts.inc(stats.proposed_by_pos[0])  # steps that proposed at least one draft token
+            self.draft_tokens.inc(proposed)
+            self.accepted_tokens.inc(sum(stats.accepted_by_pos))
+            for position, accepted in enumerate(stats.accepted_by_pos, 1):
+                self.accepted_per_pos.labels(position=str(position)).inc(accepted)
+        if len(result.token_ids) > 1:
+            self.tpot.observe(stats.decode_s / (len(result.token_ids) - 1))
+
+
+# --- the worker ----------------------------------------------------------------------
+
+@dataclass
+class Job:
+    prompt: object  # text, or chat messages
+    raw: bool
+    options: dict
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    deadline: float
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker(threading.Thread):
+    """Owns the decoder; runs one job at a time. Events sent back per job:
+    ("text", piece), ("done", GenerationResult), ("error", ApiError)."""
+
+    def __init__(self, decoder, max_queue: int, metrics: Metrics):
+        super().__init__(daemon=True, name="blockspec-worker")
+        self.decoder, self.metrics = decoder, metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise ApiError(429, "the server is busy: too many queued requests, retry later",
+                           kind="rate_limit_error") from None
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self._run(job)
+
+    def _send(self, job: Job, event) -> None:
+        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        if time.monotonic() > job.deadline:
+            self._send(job, ("error", ApiError(504, "the request timed out in the queue", kind="timeout")))
+            return
+        try:
+            def should_stop():
+                return job.cancelled.is_set() or time.monotonic() > job.deadline
+
+            for piece in self.decoder.stream(job.prompt, raw=job.raw, should_stop=should_stop, **job.options):
+                self._send(job, ("text", piece))
+            result = self.decoder.last_result
+            if result.finish_reason == "cancelled" and not job.cancelled.is_set():
+                self._send(job, ("error", ApiError(504, "the request timed out", kind="timeout")))
+                return
+            self.metrics.record(result)
+            self._send(job, ("done", result))
+        except BlockspecError as error:
+            self._send(job, ("error", ApiError(400, str(error))))
+        except Exception as error:  # never let one request kill the worker
+            self._send(job, ("error", ApiError(500, f"internal error: {type(error).__name__}: {error}",
+                                               kind="server_error")))
+
+
+# --- the app -------------------------------------------------------------------------
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 32
+    request_timeout_s: float = 300.0
+
+
+def create_app(decoder, config: ServerConfig) -> FastAPI:
+    target = decoder.target
+    metrics = Metrics()
+    worker = Worker(decoder, config.max_queue, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="blockspec", version="0.1.0", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+
+    def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        metrics.errors.labels(status=str(status)).inc()
+        return JSONResponse(error_body(message, kind, param), status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError):
+        return fail(error.status, error.message, error.kind, error.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, error: RequestValidationError):
+        problems = []
+        for item in error.errors():
+            where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+            problems.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+        return fail(400, "; ".join(problems) or "invalid request", param=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):
+        return fail(error.status_code, str(error.detail), "invalid_request_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path != "/health":
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {config.api_key}":
+                return fail(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "blockspec"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def check(request: _Common, prompt_ids_len: int) -> dict:
+        if request.model != config.model_name:
+            raise ApiError(400, f"unknown model {request.model!r}: this server serves {config.model_name!r}", "model")
+        if request.stream and (getattr(request, "logprobs", None) not in (None, False)):
+            raise ApiError(400, "logprobs are not supported with stream=true", "logprobs")
+        room = target.max_context - prompt_ids_len
+        if room <= 0:
+            raise ApiError(400, f"the prompt has {prompt_ids_len} tokens; the model's context is {target.max_context}",
+                           "prompt")
+        max_tokens = request.max_completion_tokens or request.max_tokens or min(256, room)
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {prompt_ids_len} tokens exceed the model's "
+                                f"context of {target.max_context}", "max_tokens")
+        return {"max_new_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                "top_k": request.top_k, "stop": request.stops()}
+
+    async def generate(request: _Common, prompt, raw: bool, logprobs: int | None, http: Request, chat: bool):
+        if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
+            raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
+        try:
+            prompt_ids = target.encode_prompt(prompt, raw=raw)
+        except BlockspecError as error:
+            raise ApiError(400, str(error)) from None
+        options = check(request, len(prompt_ids))
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + config.request_timeout_s
+        jobs = []
+        for index in range(request.n):
+            seed = None if request.seed is None else request.seed + index
+            job = Job(prompt, raw, dict(options, seed=seed, logprobs=logprobs), loop, asyncio.Queue(), deadline)
+            worker.submit(job)
+            jobs.append(job)
+        return jobs, len(prompt_ids)
+
+    async def collect(job: Job, http: Request):
+        """Wait for a job's end; cancel it if the client goes away."""
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    job.cancelled.set()
+                    raise ApiError(499, "client disconnected")
+                continue
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return payload
+
+    def usage(prompt_tokens: int, results) -> dict:
+        completion = sum(len(r.token_ids) for r in results)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def spec_accept_length(results) -> float:
+        steps = sum(r.stats.steps for r in results)
+        committed = sum(max(len(r.token_ids) - 1, 0) for r in results)
+        return round(committed / steps, 4) if steps else 1.0
+
+    def finish(result) -> str:
+        return "length" if result.finish_reason == "length" else "stop"
+
+    def token_text(token_id: int) -> str:
+        return target.decode([token_id])
+
+    def completion_logprobs(result, top: int) -> dict:
+        tokens = [token_text(t) for t in result.token_ids]
+        offsets, position = [], 0
+        for text in tokens:
+            offsets.append(position)
+            position += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in result.logprobs],
+                "top_logprobs": [{token_text(i): v for i, v in best} for _, best in result.logprobs] if top else None,
+                "text_offset": offsets}
+
+    def chat_logprobs(result) -> dict:
+        content = []
+        for token_id, (lp, best) in zip(result.token_ids, result.logprobs):
+            text = token_text(token_id)
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": token_text(i), "logprob": v,
+                                              "bytes": list(token_text(i).encode())} for i, v in best]})
+        return {"content": content}
+
+    async def stream_response(jobs, prompt_tokens: int, request: _Common, http: Request, chat: bool):
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return "data: " + json.dumps({"id": request_id, "object": kind, "created": created,
+                                          "model": config.model_name, "choices": [choice]}) + "\n\n"
+
+        async def events():
+            results = []
+            try:
+                for index, job in enumerate(jobs):
+                    if chat:
+                        yield chunk(index, None, None, role=True)
+                    while True:
+                        try:
+                            kind_, payload = await asyncio.wait_for(job.events.get(), timeout=1.0)
+                        except asyncio.TimeoutError:
+                            if await http.is_disconnected():
+                                raise asyncio.CancelledError from None
+                            continue
+                        if kind_ == "text":
+                            yield chunk(index, payload, None)
+                        elif kind_ == "done":
+                            results.append(payload)
+                            yield chunk(index, None, finish(payload))
+                            break
+                        else:
+                            metrics.errors.labels(status=str(payload.status)).inc()
+                            yield "data: " + json.dumps(error_body(payload.message, payload.kind)) + "\n\n"
+                            return
+                final = {"id": request_id, "object": kind, "created": created, "model": config.model_name,
+                         "choices": [], "spec_accept_length": spec_accept_length(results)}
+                if (request.stream_options or {}).get("include_usage"):
+                    final["usage"] = usage(prompt_tokens, results)
+                yield "data: " + json.dumps(final) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client is gone or the stream ended: free the worker
+                for job in jobs:
+                    job.cancelled.set()
+                metrics.requests.labels(route="chat" if chat else "completions").inc()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, http: Request):
+        prompt = request.prompt if isinstance(request.prompt, str) else "".join(request.prompt)
+        top = request.logprobs
+        jobs, prompt_tokens = await generate(request, prompt, True, top, http, chat=False)
+        if request.stream:
+            return await stream_response(jobs, prompt_tokens, request, http, chat=False)
+        try:
+            results = [await collect(job, http) for job in jobs]
+        finally:
+            for job in jobs:
+                job.cancelled.set()
+            metrics.requests.labels(route="completions").inc()
+        choices = [{"index": i, "text": (prompt if request.echo else "") + r.text, "finish_reason": finish(r),
+                    "logprobs": completion_logprobs(r, top) if top is not None else None}
+                   for i, r in enumerate(results)]
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                "model": config.model_name, "choices": choices, "usage": usage(prompt_tokens, results),
+                "spec_accept_length": spec_accept_length(results)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest, http: Request):
+        if not target.has_chat_template:
+            raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        top = (request.top_logprobs or 0) if request.logprobs else None
+        jobs, prompt_tokens = await generate(request, messages, False, top, http, chat=True)
+        if request.stream:
+            return await stream_response(jobs, prompt_tokens, request, http, chat=True)
+        try:
+            results = [await collect(job, http) for job in jobs]
+        finally:
+            for job in jobs:
+                job.cancelled.set()
+            metrics.requests.labels(route="chat").inc()
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": finish(r),
+                    "logprobs": chat_logprobs(r) if top is not None else None} for i, r in enumerate(results)]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+                "model": config.model_name, "choices": choices, "usage": usage(prompt_tokens, results),
+                "spec_accept_length": spec_accept_length(results)}
+
+    return app
