@@ -22,7 +22,7 @@ from conftest import tiny_model
 def random_drafter(target, block=8, draft_vocab_size=None, seed=0, layers=2):
     torch.manual_seed(seed)
     config = DFlashConfig.for_target(target, num_layers=layers, block_size=block, mask_token_id=target.vocab_size - 1,
-                                     target_layer_ids=[0, 2, 3])
+                                     target_layer_ids=[0, 1, 2])
     config.draft_vocab_size = draft_vocab_size
     model = DFlashDraftModel(config)
     with torch.no_grad():
@@ -31,6 +31,7 @@ def random_drafter(target, block=8, draft_vocab_size=None, seed=0, layers=2):
                 parameter.normal_(0, 0.3)
         if draft_vocab_size:
             model.d2t.copy_(torch.randperm(target.vocab_size)[:draft_vocab_size].sort().values)
+            model.stored_head = model.head(target)[0].detach().clone()  # as the trainer does
     return model.eval()
 
 
@@ -66,7 +67,7 @@ def test_transformers_export_sets_every_field_its_defaults_get_wrong(target, tmp
     assert config["model_type"] == "muse_glimmer_assistant"
     assert config["layer_types"] == ["full_attention", "full_attention"]  # its default: sliding, window 2048
     assert config["rope_parameters"]["rope_theta"] == target.rope_theta  # its default: 500000
-    assert config["target_layer_ids"] == [0, 2, 3] and config["block_size"] == 8
+    assert config["target_layer_ids"] == [0, 1, 2] and config["block_size"] == 8
     assert config["mask_token_id"] == target.vocab_size - 1
     names = set(load_file(tmp_path / "hf" / "model.safetensors"))
     assert {"encoder.fc.weight", "encoder.output_norm_enc.weight", "norm.weight"} <= names
@@ -82,7 +83,8 @@ def test_speculators_export_fields(target, tmp_path):
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
     # speculators counts the embedding output as layer 0: our ids + 1
-    assert config["aux_hidden_state_layer_ids"] == [1, 3]  # 4 = the verifier's last layer: implicit, not listed
+    assert config["aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["sliding_window_non_causal"] is True  # False would make vLLM attend causally in the block
     assert config["draft_vocab_size"] == 40 and config["block_size"] == 8
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
     assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target"
@@ -91,8 +93,16 @@ def test_speculators_export_fields(target, tmp_path):
     assert torch.equal(tensors["d2t"] + torch.arange(40), d2t)  # offsets
     assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 40 and bool(tensors["t2d"][d2t].all())
     torch.testing.assert_close(tensors["lm_head.weight"], target.lm_head.weight[d2t])
-    with pytest.raises(InvalidArgumentError, match="--target"):
-        export_drafter(tmp_path / "native", "speculators", tmp_path / "spec2")
+    native = load_file(tmp_path / "native" / "model.safetensors")  # the native folder carries the same map and head
+    assert torch.equal(native["d2t"], tensors["d2t"]) and torch.equal(native["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_speculators_export_refuses_the_last_target_layer(target, tmp_path):
+    torch.manual_seed(0)
+    config = DFlashConfig.for_target(target, num_layers=1, block_size=4, mask_token_id=5, target_layer_ids=[1, 3])
+    DFlashDraftModel(config).save_pretrained(tmp_path / "native")
+    with pytest.raises(InvalidArgumentError, match="last layer"):
+        export_drafter(tmp_path / "native", "speculators", tmp_path / "spec")
 
 
 def test_same_draft_block_as_transformers_on_a_fixed_context(target, tmp_path):

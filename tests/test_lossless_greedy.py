@@ -45,6 +45,10 @@ def make_drafter(kind, target, prompt, ref, seed=0):
         model = DFlashDraftModel(config)
         model.d2t.copy_(torch.randperm(target.vocab_size)[:24].sort().values)
         return DFlashDrafter(model, target)
+    if kind == "draft-model":  # an independent small LM with the same vocabulary
+        from blockspec.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(tiny_target("llama", seed=seed + 7, layers=2), target)
     raise ValueError(kind)
 
 
@@ -54,7 +58,7 @@ def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model"])
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_identity(arch, kind, block, prompt_name):

@@ -90,11 +90,18 @@ def dflash(target, sample_drafts, draft_vocab=None):
         ("sampled drafts, rejection sampling", SamplingParams(temperature=1.0)),
         ("sampled drafts, rejection sampling, top-k/top-p", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
         ("sampled drafts from a reduced draft vocabulary, rejection sampling", SamplingParams(temperature=1.0)),
+        ("sampled drafts from an independent draft model, rejection sampling", SamplingParams(temperature=0.9)),
     ],
 )
 def test_output_distribution_is_the_targets(target, rule, params):
     draft_vocab = [0, 2, 3, 5, 6] if "reduced" in rule else None
-    engine = SpecEngine(target, dflash(target, rule.startswith("sampled"), draft_vocab), BLOCK)
+    if "draft model" in rule:
+        from blockspec.drafters.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter(tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=1, seed=9), target)
+    else:
+        drafter = dflash(target, rule.startswith("sampled"), draft_vocab)
+    engine = SpecEngine(target, drafter, BLOCK)
     counts = empirical_joint(engine, params)
     probabilities = exact_joint(target, params)
     assert_same_distribution(counts, probabilities)

@@ -36,7 +36,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return sorted({min(max(i, 0), num_target_layers - 2) for i in ids})  # never repeated, never the last layer
 
 
 @dataclass
@@ -225,8 +226,13 @@ class DFlashDraftModel(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if config.draft_vocab_size:
-            # draft index -> target token id (sorted); saved with the weights as `d2t`
+            # draft index -> target token id (sorted, absolute ids in memory). On disk `d2t`
+            # holds OFFSETS (target id = index + d2t[index]), the EAGLE-3 convention vLLM reads.
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        # The target head's rows for the draft vocabulary, written as `lm_head.weight` so that
+        # serving engines use the right rows (vLLM otherwise takes the first N). blockspec
+        # itself always computes the head from the target at run time.
+        self.stored_head: torch.Tensor | None = None
 
     def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
@@ -266,6 +272,10 @@ class DFlashDraftModel(nn.Module):
     def write_files(self, folder: Path, dtype: torch.dtype | None = None) -> None:
         """config.json + model.safetensors into an existing folder (not atomic on its own)."""
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        if self.config.draft_vocab_size:
+            tensors["d2t"] = tensors["d2t"] - torch.arange(self.config.draft_vocab_size)
+            if self.stored_head is not None:
+                tensors["lm_head.weight"] = self.stored_head.detach().to("cpu", next(self.parameters()).dtype)
         if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -287,6 +297,9 @@ class DFlashDraftModel(nn.Module):
             raise DrafterMismatchError(f"{config_path}: architectures {data.get('architectures')} is not DFlashDraftModel")
         model = cls(DFlashConfig.from_hf_dict(data))
         state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
+        model.stored_head = state.pop("lm_head.weight", None)
+        if "d2t" in state and model.config.draft_vocab_size:
+            state["d2t"] = state["d2t"] + torch.arange(model.config.draft_vocab_size)  # offsets -> ids
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DrafterMismatchError(
@@ -370,6 +383,10 @@ def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> 
         problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
     if config.vocab_size != target.vocab_size:
         problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
+    ids = list(config.target_layer_ids)
+    if not ids or ids != sorted(set(ids)):
+        problems.append(f"target_layer_ids {ids} must be strictly increasing without repeats (serving engines "
+                        "capture each layer once, in order)")
     if config.num_target_layers != target.num_layers:
         problems.append(f"num_target_layers {config.num_target_layers} != target's {target.num_layers}")
     if config.draft_vocab_size and not 0 < config.draft_vocab_size <= target.vocab_size:

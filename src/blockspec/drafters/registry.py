@@ -51,10 +51,14 @@ def load_drafter(spec: str, target, **options) -> Drafter | None:
         return load_drafter(str(shipped), target, **options) if shipped else NAMED_DRAFTERS["prompt-lookup"](target)
     if spec in NAMED_DRAFTERS:
         return NAMED_DRAFTERS[spec](target, **options)
+    if spec.startswith("model:"):  # an independent draft model with the target's tokenizer
+        from blockspec.drafters.draft_model import load_draft_model
+
+        return load_draft_model(spec, target, force=options.get("force", False))
     folder = Path(spec).expanduser()
     config_path = folder / "config.json"
     if not config_path.is_file():
-        known = ", ".join(["none", "auto", *NAMED_DRAFTERS])
+        known = ", ".join(["none", "auto", *NAMED_DRAFTERS, "model:PATH"])
         raise DrafterNotFoundError(f"unknown drafter {spec!r}: not one of {known}, and not a drafter folder")
     try:
         architectures = json.loads(config_path.read_text()).get("architectures") or []

@@ -48,8 +48,13 @@ def check_drafter(folder: str | Path, target) -> list[str]:
         check_fits(config, target)
     except BlockspecError as error:
         problems += str(error).split(": ", 1)[1].split("; ")
+    if config.num_target_layers - 1 in config.target_layer_ids:
+        problems.append(f"target_layer_ids include the target's last layer {config.num_target_layers - 1}: "
+                        "transformers returns it after the final norm, vLLM before it and SGLang not at all")
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
+    if config.draft_vocab_size:  # the draft head's rows: without them vLLM takes the first N rows of the target's
+        expected["lm_head.weight"] = (config.draft_vocab_size, config.hidden_size)
     with safe_open(weights_path, framework="pt") as handle:
         found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     for name in sorted(set(expected) - set(found)):
@@ -59,4 +64,10 @@ def check_drafter(folder: str | Path, target) -> list[str]:
     for name in sorted(set(found) & set(expected)):
         if found[name] != expected[name]:
             problems.append(f"weight `{name}` has shape {list(found[name])}, the config implies {list(expected[name])}")
+    if config.draft_vocab_size and "d2t" in found and found["d2t"] == expected.get("d2t"):
+        with safe_open(weights_path, framework="pt") as handle:
+            ids = handle.get_tensor("d2t") + torch.arange(config.draft_vocab_size)  # stored as offsets
+        if not (bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < target.vocab_size):
+            problems.append("d2t does not map the draft vocabulary to increasing target ids inside the vocabulary "
+                            "(it holds offsets: target id = index + d2t[index])")
     return problems

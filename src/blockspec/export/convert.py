@@ -81,13 +81,15 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
     """Write the drafter of folder `source` (native format) as `fmt` into `output`, atomically."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    config = DFlashDraftModel.from_pretrained(source).config  # validates names and shapes
+    model = DFlashDraftModel.from_pretrained(source)  # validates names and shapes
+    config = model.config
     state = load_file(Path(source) / "model.safetensors")  # the stored tensors, in their stored dtype
-    d2t = state.pop("d2t", None)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     with replace_dir(output) as staging:
         if fmt == "transformers":
-            tensors = {_TRANSFORMERS_RENAMES.get(name, name): t for name, t in state.items()}
+            # transformers drafts over the target's full head: no id map, no head of its own
+            tensors = {_TRANSFORMERS_RENAMES.get(name, name): t for name, t in state.items()
+                       if name not in ("d2t", "lm_head.weight")}
             tokenizer = getattr(target, "tokenizer", None)
             special = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) if tokenizer else ()
             hf = to_transformers_config(config, *special)
@@ -95,16 +97,25 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
             (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         else:
-            if config.draft_vocab_size and target is None:
-                raise InvalidArgumentError("exporting a reduced draft vocabulary to speculators needs --target "
-                                           "(its lm_head.weight is the target head's rows)")
-            tensors = dict(state)
+            if target_layer_ids_not_portable(config):
+                raise InvalidArgumentError(
+                    f"target_layer_ids {config.target_layer_ids} include the target's last layer "
+                    f"({config.num_target_layers - 1}): speculators lists it implicitly and vLLM/SGLang read it "
+                    "un-normalised, so this drafter cannot be exported faithfully; train with ids below it")
+            tensors = {name: t for name, t in state.items() if name not in ("d2t", "lm_head.weight")}
             if config.draft_vocab_size:
-                tensors["d2t"] = d2t - torch.arange(config.draft_vocab_size)
+                d2t = model.d2t
+                head = model.stored_head
+                if head is None and target is None:
+                    raise InvalidArgumentError("exporting a reduced draft vocabulary to speculators needs --target "
+                                               "(its lm_head.weight is the target head's rows)")
+                if head is None:
+                    head = target.lm_head.weight.detach().index_select(0, d2t)
+                tensors["d2t"] = d2t - torch.arange(config.draft_vocab_size)  # offsets
                 t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
                 t2d[d2t] = True
                 tensors["t2d"] = t2d
-                tensors["lm_head.weight"] = target.lm_head.weight.detach().index_select(0, d2t).to(dtype).contiguous()
+                tensors["lm_head.weight"] = head.to(dtype).contiguous()
             spec = to_speculators_config(config, verifier or config.target.get("name") or "", target)
             spec["torch_dtype"] = str(dtype).replace("torch.", "")
             (staging / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
@@ -112,11 +123,17 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
     return Path(output)
 
 
+def target_layer_ids_not_portable(config: DFlashConfig) -> bool:
+    """The target's last layer: transformers returns it after the final norm, the serving
+    engines before it (vLLM) or not at all (SGLang)."""
+    return config.num_target_layers - 1 in config.target_layer_ids
+
+
 def to_speculators_config(config: DFlashConfig, verifier: str, target=None) -> dict:
     layer = {"model_type": "qwen3", "vocab_size": config.vocab_size, "attention_bias": False,
              "tie_word_embeddings": False, **_layer_config(config)}
     layer["rope_theta"] = config.rope_theta
-    aux = [i + 1 for i in config.target_layer_ids if i + 1 != config.num_target_layers]
+    aux = [i + 1 for i in config.target_layer_ids]  # hidden_states index; the last layer is refused above
     architectures = list(getattr(target.model.config, "architectures", None) or []) if target is not None else []
     return {
         "architectures": ["DFlashSpeculator"],
@@ -127,7 +144,9 @@ def to_speculators_config(config: DFlashConfig, verifier: str, target=None) -> d
         "target_hidden_size": config.hidden_size,
         "aux_hidden_state_layer_ids": aux,
         "mask_token_id": config.mask_token_id,
-        "sliding_window_non_causal": False,
+        # vLLM 0.33 turns False into causal attention in EVERY draft layer; DFlash blocks are
+        # bidirectional (speculators applies the flag to sliding-window layers only: we have none)
+        "sliding_window_non_causal": True,
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": "dflash",
@@ -190,12 +209,12 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
         mask_token_id, block_size = data["mask_token_id"], data["block_size"]
         fingerprint = extra.get("target") or {}
         draft_vocab_size = data.get("draft_vocab_size") if data.get("draft_vocab_size") != vocab else None
-        tensors.pop("lm_head.weight", None)
         tensors.pop("t2d", None)
         if draft_vocab_size:
             tensors["d2t"] = tensors["d2t"] + torch.arange(draft_vocab_size)  # offsets -> absolute ids
         else:
             tensors.pop("d2t", None)
+            tensors.pop("lm_head.weight", None)
         for name in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
             tensors.pop(name, None)
     if vocab is None or num_target_layers is None:
@@ -213,6 +232,7 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
         max_position_embeddings=int(layer.get("max_position_embeddings", 32768)), target=fingerprint,
         draft_vocab_size=draft_vocab_size)
     model = DFlashDraftModel(config)
+    model.stored_head = tensors.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise DrafterMismatchError(f"{source}: weight names do not match a DFlash drafter (missing: {sorted(missing)[:5]}, "

@@ -177,6 +177,8 @@ class DFlashTrainer:
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
         self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
+        if config.draft_vocab_size:
+            self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.ddp_model = self.model
@@ -216,7 +218,7 @@ class DFlashTrainer:
             if getattr(mine, field) != getattr(theirs, field):
                 raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
                                            f"{getattr(mine, field)}")
-        state = {k: v for k, v in source.state_dict().items() if k != "d2t"}
+        state = {k: v for k, v in source.state_dict().items() if k != "d2t"}  # the vocabulary is this run's
         self.model.load_state_dict(state, strict=False)
 
     # --- data ----------------------------------------------------------------------
