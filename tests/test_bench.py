@@ -41,6 +41,7 @@ def test_speedup_is_the_ratio_of_time_per_output_token():
     assert rows["fast"]["speedup_median"] == pytest.approx((3.0 + 2.0) / 2)  # median of 3x and 2x
     assert rows["fast"]["tau"] == pytest.approx((9 + 4) / (3 + 2))
     assert rows["fast"]["accept_by_pos"] == [1.0, 0.6, 0.6]
+    assert rows["fast"]["agreement"] == 1.0  # the same tokens as the baseline
 
 
 @pytest.mark.real
@@ -80,6 +81,9 @@ def test_method_names_parse_into_the_registry():
         ("dflash-b4", "/drafter", 4, "blockspec"), ("hf-generate", "none", 1, "hf-generate"),
         ("hf-prompt-lookup", "none", 1, "hf-prompt-lookup"), ("hf-dflash-b16", "/drafter", 16, "hf-dflash")]
     assert [m.name for m in parse_methods("baseline,dflash-b8", None)] == ["baseline"]  # no drafter: skipped
+    lossy = parse_methods("baseline,diffusion-b8-s2,diffusion-b4", "/drafter")[1:]
+    assert [(m.engine, m.block_size, m.diffusion_steps, m.lossless) for m in lossy] == [
+        ("diffusion", 8, 2, False), ("diffusion", 4, 1, False)]
     with pytest.raises(InvalidArgumentError, match="unknown bench method"):
         parse_methods("baseline,medusa", None)
     with pytest.raises(InvalidArgumentError, match="first bench method"):
@@ -101,3 +105,12 @@ def test_transformers_peers_run_interleaved_and_match_the_baseline():
     assert rows["hf-generate"]["tau"] == pytest.approx(1.0)
     for name in ("hf-prompt-lookup", "hf-dflash-b8"):
         assert rows[name]["tau"] >= 1.0 and rows[name]["speedup_median"] > 0
+
+
+def test_final_answers_and_accuracy():
+    from blockspec.bench.datasets import final_answer, same_answer
+
+    assert final_answer("so it is \\boxed{\\frac{3}{4}}.") == "\\frac{3}{4}"
+    assert final_answer("She pays 1,200 dollars, then 18.") == "18"
+    assert same_answer("1,200", "1200") and same_answer("18.0", "18") and not same_answer("17", "18")
+    assert not same_answer(None, "3")

@@ -116,6 +116,10 @@ BAD_INPUTS = {
     "unknown target": (["generate", "hi", "--target", "/no/such/model"], "unknown target"),
     "unknown drafter": (["generate", "hi", "--drafter", "/no/such/drafter"], "unknown drafter"),
     "prompt beyond the context": (["generate", "hello " * 9000, "--drafter", "none"], "context"),
+    "diffusion without a DFlash drafter": (["generate", "hi", "--mode", "diffusion", "--drafter", "prompt-lookup"],
+                                           "DFlash drafter"),
+    "diffusion steps beyond the block": (["generate", "hi", "--mode", "diffusion", "--block-size", "4",
+                                          "--diffusion-steps", "4"], "diffusion steps"),
 }
 
 
@@ -165,3 +169,12 @@ def test_data_stores_features_that_training_reads_instead_of_running_the_target(
     for a, b in zip(stored, computed):
         assert a.shape[0] in (b.shape[0] - 1, b.shape[0])  # the last token was never fed back
         torch.testing.assert_close(a.float(), b[: a.shape[0]].float(), atol=0.15, rtol=2e-2)
+
+
+def test_cli_diffusion_mode_says_it_is_lossy():
+    proc = cli("generate", PROMPTS[0], "--mode", "diffusion", "--max-new-tokens", "24", "--block-size", "8",
+               "--diffusion-steps", "2", "--json")
+    assert "LOSSY" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mode"] == "diffusion" and out["stats"]["lossless"] is False
+    assert 0 <= out["stats"]["agreement_with_target"] <= 1 and len(out["token_ids"]) <= 24

@@ -119,3 +119,22 @@ def test_prompts_from_the_shared_gsm8k_train_file():
 
     prompts = read_prompts(str(DATA_DIR / "gsm8k" / "train.jsonl"), limit=3)
     assert len(prompts) == 3 and prompts[0].startswith("Natalia sold clips")
+
+
+def test_random_mask_reveals_some_tokens_and_only_unlabels_them():
+    from blockspec.training.trainer import IGNORE, build_blocks, partially_unmask
+
+    sequence = torch.arange(10, 60)
+    anchors = [torch.tensor([3, 20, 35])]
+    block_ids, _, labels, _ = build_blocks([sequence], anchors, 8, 99, 50)
+    revealed_ids, revealed_labels = partially_unmask(block_ids, labels, 8, [torch.Generator().manual_seed(0)])
+    revealed = revealed_ids != block_ids
+    assert revealed.any()
+    # a revealed position holds its true token and has no label; every other label is untouched
+    assert torch.equal(revealed_ids[revealed], labels[revealed])
+    assert bool((revealed_labels[revealed] == IGNORE).all())
+    assert torch.equal(revealed_labels[~revealed], labels[~revealed])
+    # anchors are never touched and every block keeps at least one masked, labelled position
+    assert torch.equal(revealed_ids[0, ::8], block_ids[0, ::8])
+    for block in range(3):
+        assert (revealed_labels[0, block * 8 + 1:(block + 1) * 8] != IGNORE).any()

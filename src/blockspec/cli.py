@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--compare", action="store_true",
                      help="also run the plain autoregressive loop (interleaved, twice each) and print the speedup")
+    gen.add_argument("--mode", default="speculative", choices=["speculative", "diffusion"],
+                     help="diffusion: the DFlash drafter generates WITHOUT verification (fast, LOSSY, never the default)")
+    gen.add_argument("--diffusion-steps", type=_positive_int, default=1,
+                     help="diffusion mode: drafter passes per block, unmasking the most confident positions first")
+    gen.add_argument("--confidence-threshold", type=float, default=None,
+                     help="diffusion mode: unmask every position above this confidence per pass (overrides steps)")
     gen.set_defaults(run=_generate)
 
     data = commands.add_parser("data", help="build a training set whose responses the target regenerates")
@@ -78,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "skips the target pass (use the drafter's target_layer_ids)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--threads", type=_positive_int, default=None)
+    data.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N, mps")
     data.set_defaults(run=_data)
 
     train = commands.add_parser("train", help="train a DFlash drafter (options: --key value, see TrainConfig)")
@@ -155,7 +162,9 @@ def _generate(args) -> int:
         raise blockspec.InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise blockspec.InvalidArgumentError("the prompt is empty")
-    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.mode == "diffusion":
+        return _generate_diffusion(args, params)
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
                              context_window=args.context_window, force_drafter=args.force_drafter)
@@ -177,6 +186,35 @@ def _generate(args) -> int:
     print(f"{result.stats.summary()} drafter={drafter} block={decoder.block_size} target={decoder.target.name}")
     if args.compare and decoder.drafter is not None:
         _compare_with_plain_loop(decoder, args.prompt, options, result)
+    return 0
+
+
+def _generate_diffusion(args, params) -> int:
+    import blockspec
+    from blockspec.decoding.diffusion import DiffusionDecoder, DiffusionStats
+
+    print("blockspec: diffusion mode is LOSSY: the text is the drafter's, not the target's "
+          "(no verification); use it only where that is acceptable", file=sys.stderr)
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
+                             dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
+                             force_drafter=args.force_drafter)
+    diffusion = DiffusionDecoder(decoder.target, decoder.drafter, args.block_size, args.diffusion_steps,
+                                 args.confidence_threshold)
+    stats = DiffusionStats(diffusion.block_size)
+    prompt_ids = decoder.target.encode_prompt(args.prompt, raw=args.raw)
+    tokens = []
+    for chunk in diffusion.generate(prompt_ids, max_new_tokens=args.max_new_tokens, params=params, stats=stats):
+        tokens += chunk
+        if args.stream and not args.json:
+            print(decoder.target.decode(chunk), end="", flush=True)
+    text = decoder.target.decode(tokens)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": tokens, "mode": "diffusion", "stats": stats.as_dict()}))
+        return 0
+    print("" if args.stream else text)
+    print(f"[diffusion, LOSSY | {stats.new_tokens} tokens in {stats.blocks} blocks, {stats.drafter_passes} drafter "
+          f"passes | agreement with the target {stats.agreement:.0%} | "
+          f"{stats.as_dict()['tokens_per_s']:.1f} tok/s]")
     return 0
 
 
@@ -211,7 +249,7 @@ def _data(args) -> int:
                         synthesize=args.synthesize, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
                         seed=args.seed, feature_layers=args.feature_layers)
-    build_dataset(load_target(args.target, threads=args.threads), config)
+    build_dataset(load_target(args.target, threads=args.threads, device=args.device or "cpu"), config)
     return 0
 
 
@@ -223,7 +261,13 @@ def _train(args) -> int:
     config = load_config(TrainConfig, args.config, args.overrides)
     if not config.data:
         raise BlockspecError("train needs --data FOLDER (built by `blockspec data`)")
-    target = load_target(config.target, threads=config.threads)
+    device = config.device
+    if device == "cuda":  # one GPU per process under torchrun / accelerate launch
+        import torch
+
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    target = load_target(config.target, threads=config.threads, device=device or "cpu")
     DFlashTrainer(config, target).run(resume=args.resume)
     return 0
 

@@ -11,6 +11,7 @@ import gzip
 import importlib.util
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class BenchPrompt:
     dataset: str
     prompt_id: str
     turns: list[str]  # one user turn, or two for MT-Bench (the second asked after the method's own answer)
+    answer: str | None = None  # the reference final answer (GSM8K, MATH-500), for answer accuracy
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -76,7 +78,8 @@ def load_prompts(name: str, data_dir: str | None = None, limit: int | None = Non
         for index, row in enumerate(rows):
             if name in ("gsm8k", "math500"):
                 field = SOURCES[name][3]
-                prompts.append(BenchPrompt(name, str(row.get("unique_id", index)), [row[field] + MATH_SUFFIX]))
+                answer = str(row.get("answer", "")).split("####")[-1].strip() or None
+                prompts.append(BenchPrompt(name, str(row.get("unique_id", index)), [row[field] + MATH_SUFFIX], answer))
             elif name == "humaneval":
                 prompts.append(BenchPrompt(name, row["task_id"], [CODE_PREFIX + row["prompt"]]))
             else:
@@ -85,3 +88,30 @@ def load_prompts(name: str, data_dir: str | None = None, limit: int | None = Non
     if limit and limit < len(prompts):
         prompts = random.Random(seed).sample(prompts, limit)
     return prompts
+
+
+def final_answer(text: str) -> str | None:
+    """The last \\boxed{...} of a response, else its last number (GSM8K style)."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, index = 1, start + len("\\boxed{")
+        begin = index
+        while index < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[index], 0)
+            index += 1
+        if depth == 0:
+            return text[begin:index - 1].strip()
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
+    return numbers[-1] if numbers else None
+
+
+def same_answer(found: str | None, reference: str | None) -> bool:
+    if found is None or reference is None:
+        return False
+    def norm(value: str) -> str:
+        value = value.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+        try:
+            return str(float(value))
+        except ValueError:
+            return value
+    return norm(found) == norm(reference)

@@ -4,6 +4,7 @@ rotates), so that drift of a shared, noisy machine cancels out of the ratios."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from blockspec.bench.datasets import BenchPrompt, load_prompts
+from blockspec.bench.datasets import BenchPrompt, final_answer, load_prompts, same_answer
 from blockspec.bench.peers import PEER_KINDS, TransformersPeer
 from blockspec.drafters.registry import NAMED_DRAFTERS, load_drafter
 from blockspec.errors import InvalidArgumentError
@@ -23,15 +24,52 @@ class Method:
     name: str
     drafter: str  # "none", a registered name, or a drafter folder
     block_size: int = 16
-    engine: str = "blockspec"  # or a transformers peer: hf-generate, hf-prompt-lookup, hf-dflash
+    engine: str = "blockspec"  # or a transformers peer (hf-generate, hf-prompt-lookup, hf-dflash), or diffusion
+    diffusion_steps: int = 1
+
+    @property
+    def lossless(self) -> bool:
+        return self.engine != "diffusion"
 
     def build(self, target):
         if self.engine == "blockspec":
             return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size)
+        if self.engine == "diffusion":
+            return DiffusionRunner(target, load_drafter(self.drafter, target), self.block_size, self.diffusion_steps)
         return TransformersPeer(target, self.engine, self.drafter, self.block_size)
 
 
+class DiffusionRunner:
+    """Standalone diffusion decoding behind the runner interface (lossy: never checked
+    for identity; its agreement with the baseline and answer accuracy are reported)."""
+
+    def __init__(self, target, drafter, block_size: int, steps: int):
+        from blockspec.decoding.diffusion import DiffusionDecoder
+
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.decoder = DiffusionDecoder(target, drafter, block_size, steps)
+
+    def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0, **_):
+        from blockspec.decoding.diffusion import DiffusionStats
+        from blockspec.decoding.sampling import SamplingParams
+        from blockspec.decoding.stats import GenerationStats
+        from blockspec.pipeline import GenerationResult
+
+        ids = self.target.encode_prompt(prompt)
+        diffusion = DiffusionStats(self.block_size)
+        tokens = [t for chunk in self.decoder.generate(ids, max_new_tokens=max_new_tokens, stats=diffusion,
+                                                       params=SamplingParams(temperature, seed=seed)) for t in chunk]
+        stats = GenerationStats(1)
+        stats.new_tokens, stats.steps = len(tokens), diffusion.blocks  # tau = tokens per target pass
+        stats.ttft_s, stats.decode_s = diffusion.ttft_s, diffusion.decode_s
+        stats.accept_hist = []
+        stop = bool(tokens) and tokens[-1] in self.target.eos_token_ids
+        return GenerationResult(text=self.target.decode(tokens), token_ids=tokens, stats=stats,
+                                finish_reason="stop" if stop else "length")
+
+
 DEFAULT_METHODS = "baseline,prompt-lookup,dflash-b16,dflash-b8,hf-generate,hf-prompt-lookup,hf-dflash-b16"
+_DIFFUSION = re.compile(r"^diffusion-b(\d+)(?:-s(\d+))?$")
 
 
 def parse_methods(names: str, drafter: str | None) -> list[Method]:
@@ -42,8 +80,14 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
     methods = []
     for name in (n.strip() for n in names.split(",") if n.strip()):
         block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
+        diffusion = _DIFFUSION.match(name)
         if name == "baseline":
             methods.append(Method(name, "none", 1))
+        elif diffusion and drafter:  # lossy: standalone diffusion decoding with the DFlash drafter
+            methods.append(Method(name, drafter, int(diffusion[1]), engine="diffusion",
+                                  diffusion_steps=int(diffusion[2] or 1)))
+        elif diffusion:
+            continue
         elif name in NAMED_DRAFTERS:
             methods.append(Method(name, name, 8))
         elif name in ("hf-generate", "hf-prompt-lookup"):
@@ -54,7 +98,8 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
         elif block:
             continue  # no DFlash drafter for this target: nothing to run
         else:
-            known = ["baseline", *NAMED_DRAFTERS, "dflash-bN", *PEER_KINDS[:2], "hf-dflash-bN"]
+            known = ["baseline", *NAMED_DRAFTERS, "dflash-bN", *PEER_KINDS[:2], "hf-dflash-bN",
+                     "diffusion-bN[-sK] (lossy)"]
             raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
     if not methods or methods[0].name != "baseline":
         raise InvalidArgumentError("the first bench method must be `baseline` (the plain loop every ratio uses)")
@@ -71,6 +116,8 @@ class Sample:
     steps: int
     accept_hist: list[int]
     wall_s: float
+    texts: list[str] = field(default_factory=list)
+    answer: str | None = None  # the prompt's reference answer, when the dataset has one
 
     @property
     def tpot_s(self) -> float:
@@ -84,7 +131,7 @@ class BenchResult:
 
 
 def run_prompt(decoder: SpecDecoder, prompt: BenchPrompt, max_new_tokens: int, temperature: float, seed: int) -> Sample:
-    messages, token_ids, new_tokens, decode_s, ttft_s, steps = [], [], 0, 0.0, 0.0, 0
+    messages, token_ids, texts, new_tokens, decode_s, ttft_s, steps = [], [], [], 0, 0.0, 0.0, 0
     hist = [0] * decoder.block_size
     started = time.perf_counter()
     for turn in prompt.turns:
@@ -94,6 +141,7 @@ def run_prompt(decoder: SpecDecoder, prompt: BenchPrompt, max_new_tokens: int, t
                                   temperature=temperature, seed=seed)
         messages.append({"role": "assistant", "content": result.text})  # the next turn follows OUR answer
         token_ids.append(result.token_ids)
+        texts.append(result.text)
         new_tokens += result.stats.new_tokens
         decode_s += result.stats.decode_s
         ttft_s += result.stats.ttft_s
@@ -101,12 +149,14 @@ def run_prompt(decoder: SpecDecoder, prompt: BenchPrompt, max_new_tokens: int, t
         hist = [a + b for a, b in zip(hist, result.stats.accept_hist)]
         if not chat:
             break  # a base model gets one turn
-    return Sample(token_ids, new_tokens, decode_s, ttft_s, steps, hist, time.perf_counter() - started)
+    return Sample(token_ids, new_tokens, decode_s, ttft_s, steps, hist, time.perf_counter() - started, texts,
+                  prompt.answer)
 
 
 def run_bench(target, methods: list[Method], datasets: list[str], *, data_dir: str | None, limit: int | None,
               max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> BenchResult:
     decoders = {m.name: m.build(target) for m in methods}
+    lossless = {m.name: m.lossless for m in methods}
     baseline = methods[0].name
     result = BenchResult()
     for dataset in datasets:
@@ -116,7 +166,7 @@ def run_bench(target, methods: list[Method], datasets: list[str], *, data_dir: s
             samples = {m.name: run_prompt(decoders[m.name], prompt, max_new_tokens, temperature, seed) for m in order}
             for name, sample in samples.items():
                 result.samples.setdefault((name, dataset), []).append(sample)
-                if temperature == 0 and name != baseline:
+                if temperature == 0 and name != baseline and lossless[name]:
                     for turn, (ours, base) in enumerate(zip(sample.token_ids, samples[baseline].token_ids)):
                         if ours != base:
                             result.mismatches.append((name, dataset, prompt.prompt_id, turn))
@@ -144,7 +194,13 @@ def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
             "tokens_per_s": sum(s.new_tokens for s in samples) / sum(s.decode_s + s.ttft_s for s in samples),
             "ttft_s_median": statistics.median(s.ttft_s for s in samples),
             "mismatches": sum(1 for m in result.mismatches if m[0] == name and m[1] == dataset),
+            # share of the baseline's tokens reproduced at the same position (1.0 for a lossless method at T=0)
+            "agreement": statistics.mean(_agreement(s.token_ids, b.token_ids) for s, b in zip(samples, base)),
         })
+        answered = [s for s in samples if s.answer is not None]
+        if answered:
+            rows[-1]["answer_accuracy"] = sum(same_answer(final_answer(s.texts[-1]), s.answer)
+                                              for s in answered) / len(answered)
     return rows
 
 
@@ -169,6 +225,19 @@ def machine_description() -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__, "blockspec": blockspec.__version__}
 
 
+def _agreement(ours: list[list[int]], base: list[list[int]]) -> float:
+    same = sum(sum(int(a == b) for a, b in zip(o, r)) for o, r in zip(ours, base))
+    return same / max(1, sum(len(r) for r in base))
+
+
+def _markdown_row(r: dict) -> str:
+    accepted = " / ".join(f"{a:.2f}" for a in r["accept_by_pos"][:3]) or "-"
+    accuracy = f"{r['answer_accuracy']:.2f}" if "answer_accuracy" in r else "-"
+    return (f"| {r['method']} | {r['dataset']} | {r['prompts']} | {r['speedup_median']:.2f}x | "
+            f"{r['speedup_p25']:.2f}-{r['speedup_p75']:.2f} | {r['tau']:.2f} | {accepted} | {r['tokens_per_s']:.1f} | "
+            f"{r['ttft_s_median'] * 1e3:.0f} | {r['mismatches']} | {r['agreement']:.2f} | {accuracy} |")
+
+
 def report(rows: list[dict], output: Path, meta: dict) -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
@@ -180,11 +249,10 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
                      f"{r['tokens_per_s']:>8.1f}{r['mismatches']:>10}")
     table = "\n".join(lines)
     print(table)
-    markdown = ["| method | dataset | prompts | speedup (median) | p25-p75 | tau | tokens/s | T=0 mismatches |",
-                "|---|---|---|---|---|---|---|---|"]
-    markdown += [f"| {r['method']} | {r['dataset']} | {r['prompts']} | {r['speedup_median']:.2f}x | "
-                 f"{r['speedup_p25']:.2f}-{r['speedup_p75']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-                 f"{r['mismatches']} |" for r in rows]
+    markdown = ["| method | dataset | prompts | speedup (median) | p25-p75 | tau | accepted at draft pos 1/2/3 | "
+                "tokens/s | TTFT ms | T=0 mismatches | agreement | answer acc. |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    markdown += [_markdown_row(r) for r in rows]
     costs = meta.get("costs") or {}
     if costs:
         markdown += ["", "| method | decode(1) ms | verify(B) ms | r | draft ms | d |", "|---|---|---|---|---|---|"]

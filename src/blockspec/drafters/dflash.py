@@ -352,15 +352,24 @@ class DFlashDrafter(Drafter):
         self._extend_context(prompt_features)
 
     @torch.inference_mode()
+    def block_logits(self, block: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits [len(block) - 1, draft vocabulary] for block positions 1.. of `block` (the
+        anchor at position `start`, then tokens or mask ids), on the cached context. Same-
+        position prediction: row k - 1 is the token AT start + k. Map ids with `to_target_ids`."""
+        block = block.to(self.target.device)
+        positions = torch.arange(start, start + block.numel(), device=block.device)[None]
+        hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
+        return F.linear(hidden[0, 1:], self._head_weight, self._head_bias).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self._d2t is None else self._d2t[draft_ids]
+
+    @torch.inference_mode()
     def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
         start = token_ids.numel() - 1  # position of the anchor
         block = torch.full((num_drafts + 1,), self.mask_token_id, dtype=torch.long)
         block[0] = token_ids[-1]
-        block = block.to(self.target.device)
-        positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
-        hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
-        # same-position prediction: block position k drafts the token AT start + k
-        logits = F.linear(hidden[0, 1:], self._head_weight, self._head_bias).float()
+        logits = self.block_logits(block, start)
         if self.sample_drafts and not params.greedy:
             probs = warp_probs(logits, params)
             tokens = sample(probs, generator)

@@ -34,6 +34,9 @@ class TrainConfig:
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    # Reveal a random share of each block's tokens (ratio ~ U(0, 1]) so that the drafter
+    # learns to fill partially masked blocks: needed for iterative unmasking in diffusion mode.
+    random_mask: bool = False
     max_length: int = 1024
     batch_size: int = 4
     lr: float = 6e-4
@@ -50,6 +53,8 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     save_every: int = 50
     threads: int | None = None
+    # "cpu", "cuda" (under torchrun each rank takes cuda:LOCAL_RANK) or an explicit device
+    device: str | None = None
 
     def resolved_gamma(self) -> float:
         if self.gamma is not None:

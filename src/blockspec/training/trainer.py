@@ -92,6 +92,27 @@ def build_blocks(sequences: list[torch.Tensor], anchors: list[torch.Tensor], blo
     return block_ids, positions, labels, mask
 
 
+def partially_unmask(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int,
+                     generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For diffusion-mode training: in each block draw a mask ratio r ~ U(0, 1] and reveal
+    each draft position with probability 1 - r (always leaving one masked). Revealed
+    positions get their true token as input and no label. Rows of padding are untouched."""
+    block_ids, labels = block_ids.clone(), labels.clone()
+    batch, width = labels.shape
+    num_blocks = width // block_size
+    for row, generator in zip(range(batch), generators):
+        ratio = 1.0 - torch.rand(num_blocks, 1, generator=generator)  # (0, 1]
+        draws = torch.rand(num_blocks, block_size - 1, generator=generator)
+        keep_masked = draws < ratio
+        keep_masked[torch.arange(num_blocks), draws.argmin(dim=1)] = True
+        reveal = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        reveal[:, 1:] = ~keep_masked
+        reveal = reveal.view(-1) & (labels[row] != IGNORE)
+        block_ids[row, reveal] = labels[row, reveal]
+        labels[row, reveal] = IGNORE
+    return block_ids, labels
+
+
 @torch.no_grad()
 def init_from_target_layers(model: DFlashDraftModel, target) -> bool:
     """Copy the target's top decoder layers (and final norm) into the draft layers.
@@ -271,6 +292,10 @@ class DFlashTrainer:
         context = torch.stack([F.pad(f.to(dtype), (0, 0, 0, context_len - f.shape[0])) for f in features])
         block_ids, positions, labels, mask = build_blocks(list(sequences), anchors, config.block_size,
                                                           self.model.config.mask_token_id, context_len)
+        if config.random_mask:
+            generators = [torch.Generator().manual_seed(config.seed * 1_000_033 + epoch * 100_019 + index)
+                          for index in indices]
+            block_ids, labels = partially_unmask(block_ids, labels, config.block_size, generators)
         device = self.target.device
         # self.model is the module DDP wraps: the context projection runs outside DDP's
         # forward, its gradients are still reduced by DDP's per-parameter hooks
