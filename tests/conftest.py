@@ -82,6 +82,9 @@ class OracleDrafter:
     def begin(self, prompt_ids, prompt_features):
         pass
 
+    def fork(self):
+        return self  # stateless per sequence
+
     def propose(self, token_ids, num_drafts, params, generator=None):
         from blockspec.drafters.base import Draft
 

@@ -199,11 +199,13 @@ def test_api_key_is_enforced_on_every_route_but_health(decoder, live):
 
 
 def test_a_full_queue_answers_429(decoder, live):
-    with LiveServer(decoder, max_queue=1) as small:
+    with LiveServer(decoder, max_queue=1, max_batch=2) as small:
         body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 150, "temperature": 0}
         with ThreadPoolExecutor(3) as pool:
-            running = [pool.submit(httpx.post, small.url + "/v1/completions", json=body, timeout=120) for _ in range(2)]
-            time.sleep(1.0)  # one runs, one waits in the queue of 1
+            running = []
+            for _ in range(3):  # two decode together, the third waits in the queue of 1
+                running.append(pool.submit(httpx.post, small.url + "/v1/completions", json=body, timeout=120))
+                time.sleep(0.5)
             refused = httpx.post(small.url + "/v1/completions", json=body, timeout=60)
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
             for future in running:

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--max-queue", type=_positive_int, default=32, help="queued requests beyond this get HTTP 429")
     serve.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, queue included")
+    serve.add_argument("--max-batch", type=_positive_int, default=8,
+                       help="requests decoded together in one target pass per step (1: one at a time)")
     serve.add_argument("--threads", type=_positive_int, default=None)
     serve.set_defaults(run=_serve)
 
@@ -296,7 +298,7 @@ def _serve(args) -> int:
         raise BlockspecError(f"port must be in 1..65535, got {args.port}")
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads)
     config = ServerConfig(model_name=args.model_name or args.target, api_key=args.api_key, max_queue=args.max_queue,
-                          request_timeout_s=args.request_timeout)
+                          request_timeout_s=args.request_timeout, max_batch=args.max_batch)
     print(f"serving {config.model_name} (drafter {decoder.drafter.name if decoder.drafter else 'none'}, "
           f"block {decoder.block_size}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(decoder, config), host=args.host, port=args.port, log_level="warning")

@@ -75,11 +75,8 @@ class SpecDecoder:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         prompt_ids = self.target.encode_prompt(prompt, raw=raw)
         stats = GenerationStats(self.engine.block_size)
-        tokens: list[int] = []
-        emitted = 0  # characters of text already yielded
-        finish_reason = "length"
-        text = ""
         eos = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        text_stream = TextStream(self.target, stops, eos)
         sink = [] if logprobs is not None else None
         chunks = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, params=params,
                                       stop_token_ids=stop_token_ids, stats=stats, logprobs=sink,
@@ -87,30 +84,60 @@ class SpecDecoder:
         try:
             for chunk in chunks:
                 if should_stop is not None and should_stop():
-                    finish_reason = "cancelled"
+                    text_stream.finish_reason = "cancelled"
                     break
-                tokens.extend(chunk)
-                text = self.target.decode(tokens)
-                if chunk[-1] in eos:
-                    finish_reason = "stop"
-                cut = _first_stop(text, stops)
-                if cut is not None:
-                    text = text[:cut]
-                    tokens = _shortest_prefix_reaching(self.target, tokens, stops)
-                    finish_reason = "stop"
+                piece = text_stream.feed(chunk)
+                if piece:
+                    yield piece
+                if text_stream.stopped:
                     break
-                safe = len(text) - _held_back(text, stops)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
         finally:
             chunks.close()  # stops the engine and finalises its timings
-        if len(text) > emitted:
-            yield text[emitted:]
-        stats.new_tokens = len(tokens)
-        self._result = GenerationResult(text=text, token_ids=tokens, stats=stats, finish_reason=finish_reason,
-                                        prompt_tokens=len(prompt_ids),
-                                        logprobs=None if sink is None else sink[: len(tokens)])
+        piece = text_stream.flush()
+        if piece:
+            yield piece
+        stats.new_tokens = len(text_stream.tokens)
+        self._result = text_stream.result(stats, len(prompt_ids), sink)
+
+
+class TextStream:
+    """Committed token chunks -> text pieces that are final: a piece never ends inside a
+    UTF-8 character or with the start of a stop string; a stop string ends the text
+    (excluded) and the tokens (at the shortest prefix that produced it)."""
+
+    def __init__(self, target, stops: list[str], eos: set[int]):
+        self.target, self.stops, self.eos = target, stops, eos
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters already handed out
+        self.finish_reason = "length"
+        self.stopped = False  # a stop string was reached: feed no more
+
+    def feed(self, chunk: list[int]) -> str:
+        self.tokens.extend(chunk)
+        self.text = self.target.decode(self.tokens)
+        if chunk and chunk[-1] in self.eos:
+            self.finish_reason = "stop"
+        cut = _first_stop(self.text, self.stops)
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.tokens = _shortest_prefix_reaching(self.target, self.tokens, self.stops)
+            self.finish_reason, self.stopped = "stop", True
+            return self.flush()
+        safe = len(self.text) - _held_back(self.text, self.stops)
+        if safe > self.emitted:
+            piece, self.emitted = self.text[self.emitted:safe], safe
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        piece, self.emitted = self.text[self.emitted:], len(self.text)
+        return piece
+
+    def result(self, stats: GenerationStats, prompt_tokens: int, logprobs: list | None) -> GenerationResult:
+        return GenerationResult(text=self.text, token_ids=self.tokens, stats=stats, finish_reason=self.finish_reason,
+                                prompt_tokens=prompt_tokens,
+                                logprobs=None if logprobs is None else logprobs[: len(self.tokens)])
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

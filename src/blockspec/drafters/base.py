@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -37,6 +38,12 @@ class Drafter(ABC):
     ) -> Draft:
         """Propose up to `num_drafts` tokens after `token_ids` (all committed tokens; the last
         is the anchor). A sampling drafter draws from `generator`, the engine's one stream."""
+
+    def fork(self) -> "Drafter":
+        """A drafter for another sequence, sharing weights but not per-sequence state (the
+        batched engine keeps one per row). Default: a shallow copy, fine for drafters whose
+        `begin` rebinds all their state."""
+        return copy.copy(self)
 
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         """The verifier kept `committed_ids` (the anchor and the accepted drafts, which now

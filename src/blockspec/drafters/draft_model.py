@@ -10,6 +10,8 @@ distribution to the verifier (rejection sampling keeps the output the target's).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
@@ -32,6 +34,15 @@ class DraftModelDrafter(Drafter):
         self.draft, self.target = draft, target
         self.name = f"draft-model:{draft.name}"
         self._fed: list[int] = []  # ids whose K/V the draft cache holds, in order
+
+    def fork(self) -> "DraftModelDrafter":
+        """Same draft weights, its own KV cache."""
+        from blockspec.targets.adapter import TargetAdapter
+
+        other = copy.copy(self)
+        other.draft = TargetAdapter(self.draft.model, self.draft.tokenizer, self.draft.name)
+        other._fed = []
+        return other
 
     def begin(self, prompt_ids, prompt_features) -> None:
         self.draft.reset()

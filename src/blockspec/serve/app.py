@@ -32,7 +32,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from blockspec.decoding.batched_spec import BatchedSpecEngine
+from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import BlockspecError
+from blockspec.pipeline import TextStream
 
 MAX_N = 8
 
@@ -188,13 +191,23 @@ class Job:
 
 
 class Worker(threading.Thread):
-    """Owns the decoder; runs one job at a time. Events sent back per job:
-    ("text", piece), ("done", GenerationResult), ("error", ApiError)."""
+    """Owns the decoder. Events sent back per job: ("text", piece), ("done", GenerationResult),
+    ("error", ApiError).
 
-    def __init__(self, decoder, max_queue: int, metrics: Metrics):
+    With a full-attention target, jobs decode TOGETHER (BatchedSpecEngine: one target pass
+    per step for every running job, new jobs admitted between steps); otherwise (e.g.
+    sliding-window layers) one at a time in arrival order."""
+
+    def __init__(self, decoder, max_queue: int, metrics: Metrics, max_batch: int = 8):
         super().__init__(daemon=True, name="blockspec-worker")
         self.decoder, self.metrics = decoder, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.batched = None
+        if max_batch > 1:
+            try:
+                self.batched = BatchedSpecEngine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
+            except BlockspecError:
+                self.batched = None
 
     def submit(self, job: Job) -> None:
         try:
@@ -207,6 +220,9 @@ class Worker(threading.Thread):
         self.jobs.put(None)
 
     def run(self) -> None:
+        if self.batched is not None:
+            self._run_batched()
+            return
         while (job := self.jobs.get()) is not None:
             self._run(job)
 
@@ -237,6 +253,101 @@ class Worker(threading.Thread):
             self._send(job, ("error", ApiError(500, f"internal error: {type(error).__name__}: {error}",
                                                kind="server_error")))
 
+    # --- many jobs at once ------------------------------------------------------------
+    def _run_batched(self) -> None:
+        running: list[_Running] = []
+        while True:
+            arrived = []
+            if not self.batched.busy:
+                arrived.append(self.jobs.get())  # idle: wait for work
+            # take jobs only while the batch has room: the rest wait in the bounded queue (429 when full)
+            while len(self.batched.rows) + len(self.batched.waiting) + len(arrived) < self.batched.max_batch:
+                try:
+                    arrived.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
+            if None in arrived:
+                return
+            for job in arrived:
+                entry = self._admit(job)
+                if entry is not None:
+                    running.append(entry)
+            now = time.monotonic()
+            for entry in running:
+                if entry.job.cancelled.is_set():
+                    entry.row.cancelled = True
+                elif now > entry.job.deadline and not entry.row.cancelled:
+                    entry.timed_out = entry.row.cancelled = True
+            running = [entry for entry in running if not entry.done]
+            try:
+                self.batched.step()
+            except Exception as error:  # a failed step fails its jobs, never the server
+                for entry in running:
+                    self._send(entry.job, ("error", ApiError(500, f"internal error: {type(error).__name__}: "
+                                                                  f"{error}", kind="server_error")))
+                    entry.row.cancelled = True
+                self.batched.rows_cancelled()
+                self.batched.waiting.clear()
+                running = []
+
+    def _admit(self, job: Job):
+        if job.cancelled.is_set():
+            return None
+        if time.monotonic() > job.deadline:
+            self._send(job, ("error", ApiError(504, "the request timed out in the queue", kind="timeout")))
+            return None
+        target = self.decoder.target
+        options = dict(job.options)
+        try:
+            params = SamplingParams(temperature=options["temperature"], top_p=options["top_p"], top_k=options["top_k"],
+                                    seed=options.get("seed"))
+            prompt_ids = target.encode_prompt(job.prompt, raw=job.raw)
+            entry = _Running(job, TextStream(target, [s for s in options["stop"] if s], set(target.eos_token_ids)),
+                             [] if options.get("logprobs") is not None else None, len(prompt_ids))
+            entry.row = self.batched.add(prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
+                                         on_chunk=lambda chunk: self._on_chunk(entry, chunk),
+                                         on_done=lambda stats: self._on_done(entry, stats),
+                                         logprobs=entry.logprobs, top_logprobs=options.get("logprobs") or 0)
+            return entry
+        except BlockspecError as error:
+            self._send(job, ("error", ApiError(400, str(error))))
+            return None
+
+    def _on_chunk(self, entry: "_Running", chunk: list[int]) -> None:
+        if entry.job.cancelled.is_set() or entry.text.stopped:
+            return
+        piece = entry.text.feed(chunk)
+        if piece:
+            self._send(entry.job, ("text", piece))
+        if entry.text.stopped:
+            entry.row.cancelled = True  # a stop string: leave the batch at the next step
+
+    def _on_done(self, entry: "_Running", stats) -> None:
+        entry.done = True
+        if entry.job.cancelled.is_set():
+            return
+        if entry.timed_out:
+            self._send(entry.job, ("error", ApiError(504, "the request timed out", kind="timeout")))
+            return
+        piece = entry.text.flush()
+        if piece:
+            self._send(entry.job, ("text", piece))
+        stats.new_tokens = len(entry.text.tokens)
+        result = entry.text.result(stats, entry.prompt_tokens, entry.logprobs)
+        self.metrics.record(result)
+        self._send(entry.job, ("done", result))
+
+
+@dataclass
+class _Running:
+    job: Job
+    text: TextStream
+    logprobs: list | None
+    prompt_tokens: int
+    row: object = None
+    timed_out: bool = False
+    done: bool = False
+
 
 # --- the app -------------------------------------------------------------------------
 
@@ -246,12 +357,13 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 32
     request_timeout_s: float = 300.0
+    max_batch: int = 8  # sequences decoded together (1: one at a time)
 
 
 def create_app(decoder, config: ServerConfig) -> FastAPI:
     target = decoder.target
     metrics = Metrics()
-    worker = Worker(decoder, config.max_queue, metrics)
+    worker = Worker(decoder, config.max_queue, metrics, config.max_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,0 +1,286 @@
+"""Batched speculative decoding: many sequences verified together in ONE target pass per
+step, each accepting its own number of drafts (ragged acceptance), new sequences admitted
+between steps (continuous batching).
+
+The stock `DynamicCache` crops the whole batch to one length, so rows share one slot
+axis and a per-row mask of valid slots instead: a step appends the same number of slots
+to every row; afterwards only a row's anchor and accepted drafts stay valid, the rest
+become holes that the mask hides (keys are rotated at their own positions when written,
+so where a slot sits does not matter). When holes pile up the cache is compacted. Each
+row drafts on its own (a drafter's state is per sequence, and drafting is the cheap
+part); the expensive target pass is shared. The number of drafts adapts per row to its
+recent acceptance, down to none (plain decoding) when drafting stops paying.
+
+Only full-attention targets (no sliding-window layers): those are rejected up front.
+At T=0 every row equals the single-sequence engine's output up to the float rounding a
+batched pass can move (the near-tie rule of the tests).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.sampling import SamplingParams, next_token
+from blockspec.decoding.stats import GenerationStats
+from blockspec.errors import InvalidArgumentError
+from blockspec.targets.cache import GrowingLayer, new_cache
+
+
+@dataclass
+class BatchRow:
+    tokens: list[int]  # committed, prompt included; the last one is the anchor
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: set[int]
+    on_chunk: Callable[[list[int]], None]  # receives each committed chunk
+    on_done: Callable[[GenerationStats], None]
+    drafter: object = None
+    generator: torch.Generator | None = None
+    stats: GenerationStats = None
+    logprobs: list | None = None
+    top_logprobs: int = 0
+    accept_ema: float = -1.0  # recent accepted drafts per step (-1: no history yet)
+    cancelled: bool = False
+    decode_started: float = 0.0
+
+
+class BatchedSpecEngine:
+    def __init__(self, target, drafter=None, block_size: int = 8, max_batch: int = 8, adaptive: bool = True):
+        if block_size < 1:
+            raise InvalidArgumentError(f"block size must be >= 1, got {block_size}")
+        self.target, self.drafter = target, drafter
+        self.block_size = block_size if drafter is not None else 1
+        self.max_batch, self.adaptive = max_batch, adaptive
+        self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
+        self.rows: list[BatchRow] = []
+        self.waiting: list[BatchRow] = []
+        self.cache = None
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]: which cache slots a row may attend
+        probe = new_cache(target.model.config)
+        if any(not isinstance(layer, GrowingLayer) for layer in probe.layers):
+            raise InvalidArgumentError("batched decoding needs a target whose layers all use full attention")
+
+    # --- admission ----------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], *, max_new_tokens: int, on_chunk, on_done,
+            params: SamplingParams = SamplingParams(), stop_token_ids=None, logprobs: list | None = None,
+            top_logprobs: int = 0) -> BatchRow:
+        if not prompt_ids:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(prompt_ids) >= self.target.max_context:
+            raise InvalidArgumentError(f"the prompt has {len(prompt_ids)} tokens; the target's context is "
+                                       f"{self.target.max_context}")
+        if max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        stops = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        row = BatchRow(list(prompt_ids), min(max_new_tokens, self.target.max_context - len(prompt_ids)), params,
+                       stops, on_chunk, on_done, logprobs=logprobs, top_logprobs=top_logprobs)
+        self.waiting.append(row)
+        return row
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @torch.inference_mode()
+    def _admit(self) -> None:
+        while self.waiting and len(self.rows) < self.max_batch:
+            row = self.waiting.pop(0)
+            if row.cancelled:  # left before it started: it still ends, with nothing generated
+                row.stats = GenerationStats(self.block_size)
+                row.on_done(row.stats)
+                continue
+            started = time.perf_counter()
+            row.stats = GenerationStats(self.block_size)
+            row.generator = None if row.params.greedy else row.params.generator()
+            prompt = torch.tensor(row.tokens)
+            single = new_cache(self.target.model.config)
+            out = self.target.model(input_ids=prompt[None].to(self.target.device), cache=single, use_cache=True,
+                                    output_hidden_states=bool(self.layer_ids))
+            logits = out.logits[0, -1].float()
+            first = next_token(logits, row.params, row.generator)
+            if row.logprobs is not None:
+                from blockspec.decoding.engine import _record_logprobs
+
+                _record_logprobs(row.logprobs, logits[None], [first], row.top_logprobs)
+            if self.drafter is not None:
+                row.drafter = self.drafter.fork()
+                features = (torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+                            if self.layer_ids else None)
+                row.drafter.begin(prompt, features)
+            self._merge(single, prompt.numel())
+            row.tokens.append(first)
+            row.stats.new_tokens = 1
+            row.stats.ttft_s = time.perf_counter() - started
+            row.decode_started = time.perf_counter()
+            self.rows.append(row)
+            row.on_chunk([first])
+            if first in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
+                self._finish(len(self.rows) - 1)
+
+    def _merge(self, single, length: int) -> None:
+        """Append a prefilled sequence's cache as a new row (its slots first, holes after)."""
+        if self.cache is None:
+            self.cache = single
+            self.valid = torch.ones(1, length, dtype=torch.bool)
+            return
+        width = max(self.valid.shape[1], length)
+        self._grow_width(width)
+        for mine, theirs in zip(self.cache.layers, single.layers):
+            pad = width - length
+            keys = torch.nn.functional.pad(theirs.keys, (0, 0, 0, pad))
+            values = torch.nn.functional.pad(theirs.values, (0, 0, 0, pad))
+            _assign(mine, torch.cat([mine.keys, keys], dim=0), torch.cat([mine.values, values], dim=0))
+        row_valid = torch.zeros(1, width, dtype=torch.bool)
+        row_valid[0, :length] = True
+        self.valid = torch.cat([self.valid, row_valid], dim=0)
+
+    def _grow_width(self, width: int) -> None:
+        current = self.valid.shape[1]
+        if width <= current:
+            return
+        for layer in self.cache.layers:
+            _assign(layer, torch.nn.functional.pad(layer.keys, (0, 0, 0, width - current)),
+                    torch.nn.functional.pad(layer.values, (0, 0, 0, width - current)))
+        self.valid = torch.nn.functional.pad(self.valid, (0, width - current))
+
+    # --- one step -------------------------------------------------------------------------
+    def _num_drafts(self, row: BatchRow) -> int:
+        left = row.max_new_tokens - row.stats.new_tokens - 1
+        drafts = min(self.block_size - 1, left)
+        if self.adaptive and row.accept_ema >= 0:
+            # draft about twice what this row recently accepted (+1 to keep probing); none when
+            # it accepts nothing, so a row that does not profit costs a plain decode step
+            drafts = min(drafts, math.ceil(2 * row.accept_ema + 1) if row.accept_ema > 0.05 else 0)
+        return max(drafts, 0)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit waiting sequences, then one draft + batched verify step for every row."""
+        self.rows_cancelled()
+        self._admit()
+        if not self.rows:
+            return
+        drafts = []
+        for row in self.rows:
+            count = self._num_drafts(row)
+            if row.drafter is not None and count:
+                draft = row.drafter.propose(torch.tensor(row.tokens), count, row.params, row.generator)
+            else:
+                draft = None
+            drafts.append(draft)
+        lengths = [1 + (d.tokens.numel() if d is not None else 0) for d in drafts]
+        width_q = max(lengths)
+        batch = len(self.rows)
+        ids = torch.zeros(batch, width_q, dtype=torch.long)
+        positions = torch.zeros(batch, width_q, dtype=torch.long)
+        query_valid = torch.zeros(batch, width_q, dtype=torch.bool)
+        for i, (row, draft) in enumerate(zip(self.rows, drafts)):
+            block = [row.tokens[-1]] + (draft.tokens.tolist() if draft is not None else [])
+            ids[i, :len(block)] = torch.tensor(block)
+            ids[i, len(block):] = row.tokens[-1]
+            start = len(row.tokens) - 1
+            positions[i] = torch.arange(start, start + width_q)
+            query_valid[i, :len(block)] = True
+        old = self.valid.shape[1]
+        causal = torch.ones(width_q, width_q, dtype=torch.bool).tril()
+        new_part = causal[None] & query_valid[:, None, :]  # a query sees the valid block slots up to itself
+        new_part |= torch.eye(width_q, dtype=torch.bool)[None]  # padding queries see themselves (no empty row)
+        allowed = torch.cat([self.valid[:, None, :].expand(batch, width_q, old), new_part], dim=2)[:, None]
+        # additive float mask: what every attention implementation (sdpa, eager) reads the same way
+        dtype = self.target.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        out = self.target.model(input_ids=ids.to(self.target.device), position_ids=positions.to(self.target.device),
+                                attention_mask=mask.to(self.target.device), cache=self.cache, use_cache=True,
+                                output_hidden_states=bool(self.layer_ids))
+        logits = out.logits.float()
+        features = (torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+                    if self.layer_ids else None)
+        new_valid = torch.zeros(batch, width_q, dtype=torch.bool)
+        finished = []
+        for i, (row, draft) in enumerate(zip(self.rows, drafts)):
+            count = lengths[i] - 1
+            row_draft = draft if draft is not None else _empty_draft()
+            accept_length, bonus = SpecEngine._verify(logits[i, :count + 1], row_draft, row.params, row.generator)
+            new_valid[i, :accept_length + 1] = True
+            if row.drafter is not None:
+                kept = ids[i, :accept_length + 1]
+                row.drafter.accept(kept, None if features is None else features[i, :accept_length + 1])
+            new = row_draft.tokens[:accept_length].tolist() + [bonus]
+            row.stats.record_step(count, accept_length)
+            if count:
+                ema = row.accept_ema if row.accept_ema >= 0 else accept_length
+                row.accept_ema = 0.7 * ema + 0.3 * accept_length
+            elif row.accept_ema >= 0:
+                row.accept_ema = 0.95 * row.accept_ema + 0.05 * 0.5  # slowly re-probe a row that stopped drafting
+            for index, token in enumerate(new):
+                if token in row.stop_ids:
+                    new = new[: index + 1]
+                    break
+            new = new[: row.max_new_tokens - row.stats.new_tokens]
+            if row.logprobs is not None:
+                from blockspec.decoding.engine import _record_logprobs
+
+                _record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
+            row.tokens += new
+            row.stats.new_tokens += len(new)
+            row.on_chunk(new)
+            if new[-1] in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
+                finished.append(i)
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        for i in reversed(finished):
+            self._finish(i)
+        self._compact_if_sparse()
+
+    def rows_cancelled(self) -> None:
+        for i in reversed([i for i, row in enumerate(self.rows) if row.cancelled]):
+            self._finish(i)
+
+    def _finish(self, index: int) -> None:
+        row = self.rows.pop(index)
+        row.stats.decode_s = time.perf_counter() - row.decode_started if row.decode_started else 0.0
+        row.stats.total_s = row.stats.ttft_s + row.stats.decode_s
+        keep = torch.tensor([i for i in range(self.valid.shape[0]) if i != index], dtype=torch.long)
+        if keep.numel() == 0:
+            self.cache, self.valid = None, torch.zeros(0, 0, dtype=torch.bool)
+        else:
+            self.cache.batch_select_indices(keep)
+            self.valid = self.valid[keep]
+        row.on_done(row.stats)
+
+    def _compact_if_sparse(self) -> None:
+        """Gather each row's valid slots to the front once holes are most of the cache."""
+        if self.cache is None:
+            return
+        counts = self.valid.sum(dim=1)
+        width = int(counts.max())
+        if self.valid.shape[1] <= 2 * width + 64:
+            return
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]  # valid slots first
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].to(layer.keys.device)
+            keys, values = layer.keys, layer.values
+            _assign(layer, keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3])),
+                    values.gather(2, index.expand(-1, values.shape[1], -1, values.shape[3])))
+        self.valid = torch.arange(width)[None, :] < counts[:, None]
+
+    def run(self) -> None:
+        while self.busy:
+            self.step()
+
+
+def _assign(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace a cache layer's keys and values (both computed BEFORE either is assigned:
+    a GrowingLayer's views depend on its length)."""
+    layer.keys, layer.values = keys, values
+
+
+def _empty_draft():
+    from blockspec.drafters.base import Draft
+
+    return Draft(tokens=torch.empty(0, dtype=torch.long))

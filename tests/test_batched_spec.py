@@ -1,0 +1,99 @@
+"""Batched speculative decoding: ragged acceptance, continuous admission, compaction; every
+row equals greedy decoding of its prompt alone, and at T > 0 the rows are distributed as
+the target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from blockspec.decoding.batched_spec import BatchedSpecEngine
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.errors import InvalidArgumentError
+from conftest import assert_same_or_near_tie, hf_greedy, tiny_target
+from test_lossless_greedy import make_drafter
+from test_sampling_exact import BLOCK, NEW, PROMPT, VOCAB, assert_same_distribution, dflash, exact_joint
+
+PROMPTS = [[7], [5, 17, 33, 2, 9, 40], [(i * 37 + 11) % 90 + 2 for i in range(23)], [60, 61, 62, 60, 61, 62, 60]]
+EOS = (1,)
+
+
+def collect(engine, prompt, max_new, **options):
+    out = {"tokens": [], "stats": None}
+    engine.add(prompt, max_new_tokens=max_new, stop_token_ids=EOS, on_chunk=out["tokens"].extend,
+               on_done=lambda stats: out.__setitem__("stats", stats), **options)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model"])
+def test_every_row_equals_greedy_decoding_alone(arch, kind):
+    target = tiny_target(arch)
+    references = [hf_greedy(target.model, p, 30, EOS) for p in PROMPTS]
+    if kind == "oracle":  # an oracle knows one sequence: the others get its (wrong) drafts
+        drafter = make_drafter(kind, target, PROMPTS[1], references[1])
+    else:
+        drafter = make_drafter(kind, target, PROMPTS[0], references[0])
+    engine = BatchedSpecEngine(target, drafter, block_size=6, max_batch=3)
+    outputs = [collect(engine, p, 30 - 4 * i) for i, p in enumerate(PROMPTS[:2])]
+    engine.step()
+    engine.step()  # two rows in flight, then two more arrive (one waits: max_batch 3)
+    outputs += [collect(engine, p, 30 - 4 * (i + 2)) for i, p in enumerate(PROMPTS[2:])]
+    engine.run()
+    for i, (prompt, out, reference) in enumerate(zip(PROMPTS, outputs, references)):
+        max_new = 30 - 4 * i
+        assert_same_or_near_tie(target.model, prompt, out["tokens"], reference[:max_new])
+        assert out["stats"] is not None and out["stats"].new_tokens == len(out["tokens"])
+    assert engine.cache is None and not engine.busy
+
+
+def test_compaction_keeps_outputs_and_shrinks_the_cache():
+    target = tiny_target("llama")
+    drafter = make_drafter("dflash", target, PROMPTS[0], None)  # random drafts: most slots become holes
+    engine = BatchedSpecEngine(target, drafter, block_size=8, max_batch=4, adaptive=False)
+    outputs = [collect(engine, p, 60) for p in PROMPTS]
+    widths = []
+    while engine.busy:
+        engine.step()
+        if engine.cache is not None:
+            widths.append(engine.valid.shape[1])
+            assert engine.cache.get_seq_length() == engine.valid.shape[1]
+    assert any(b < a for a, b in zip(widths, widths[1:]))  # compacted at least once
+    for prompt, out in zip(PROMPTS, outputs):
+        assert_same_or_near_tie(target.model, prompt, out["tokens"], hf_greedy(target.model, prompt, 60, EOS))
+
+
+def test_sliding_window_targets_are_refused():
+    with pytest.raises(InvalidArgumentError, match="full attention"):
+        BatchedSpecEngine(tiny_target("gemma3"), None)
+
+
+def test_cancelled_rows_leave_and_the_others_finish():
+    target = tiny_target("qwen3")
+    engine = BatchedSpecEngine(target, make_drafter("prompt-lookup", target, [], []), block_size=4)
+    keep = collect(engine, PROMPTS[1], 20)
+    engine.add(PROMPTS[2], max_new_tokens=200, stop_token_ids=(), on_chunk=lambda c: None, on_done=lambda s: None)
+    engine.step()
+    engine.rows[1].cancelled = True
+    engine.run()
+    assert_same_or_near_tie(target.model, PROMPTS[1], keep["tokens"], hf_greedy(target.model, PROMPTS[1], 20, EOS))
+
+
+def test_rows_sampled_in_one_batch_are_distributed_as_the_target():
+    target = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
+    params = SamplingParams(temperature=1.0)
+    engine = BatchedSpecEngine(target, dflash(target, sample_drafts=True), block_size=BLOCK, max_batch=100)
+    results = []
+    for i in range(3000):
+        out = []
+        engine.add(PROMPT, max_new_tokens=NEW, stop_token_ids=(), on_chunk=out.extend, on_done=lambda s: None,
+                   params=SamplingParams(params.temperature, seed=5000 + i))
+        results.append(out)
+        if len(engine.waiting) == 100:
+            engine.run()
+    engine.run()
+    counts = np.zeros((VOCAB, VOCAB, VOCAB))
+    for out in results:
+        counts[tuple(out[1:])] += 1
+    assert_same_distribution(counts, exact_joint(target, params))
