@@ -97,3 +97,19 @@ def test_rows_sampled_in_one_batch_are_distributed_as_the_target():
     for out in results:
         counts[tuple(out[1:])] += 1
     assert_same_distribution(counts, exact_joint(target, params))
+
+
+def test_serving_bench_closed_loop_counts_every_token(tmp_path):
+    from blockspec.bench.serving import report_serving, serving_bench
+
+    target = tiny_target("llama")
+    drafter = make_drafter("prompt-lookup", target, [], [])
+    rows = serving_bench(target, drafter, PROMPTS, [1, 3], block_size=4, max_new_tokens=10)
+    assert [(r["concurrency"], r["method"]) for r in rows] == [(1, "baseline"), (1, "speculative"),
+                                                               (3, "baseline"), (3, "speculative")]
+    for r in rows:
+        assert r["requests"] == len(PROMPTS) and 0 < r["output_tokens"] <= 10 * len(PROMPTS)
+    # lossless at T=0: both methods emit the same number of tokens
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
+    report_serving(rows, tmp_path, {})
+    assert (tmp_path / "serving.png").stat().st_size > 0 and "speculative" in (tmp_path / "serving.md").read_text()

@@ -129,6 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=_positive_int, default=None)
     serve.set_defaults(run=_serve)
 
+    serving = commands.add_parser("bench-serve", help="batched serving throughput at several concurrency levels, "
+                                                     "speculative vs the non-speculative batched baseline")
+    serving.add_argument("--target", default="default")
+    serving.add_argument("--drafter", default="auto")
+    serving.add_argument("--block-size", type=_positive_int, default=8)
+    serving.add_argument("--concurrency", default="1,2,4,8")
+    serving.add_argument("--requests", type=_positive_int, default=16, help="requests per configuration")
+    serving.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    serving.add_argument("--dataset", default="gsm8k")
+    serving.add_argument("--data-dir", default=None)
+    serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--output", default="runs/bench-serve")
+    serving.set_defaults(run=_bench_serve)
+
     bench = commands.add_parser("bench", help="speedup and acceptance of every method vs plain decoding")
     bench.add_argument("--target", default="default")
     bench.add_argument("--drafter", default="auto", help="DFlash drafter folder ('auto': the shipped one)")
@@ -302,6 +316,32 @@ def _serve(args) -> int:
     print(f"serving {config.model_name} (drafter {decoder.drafter.name if decoder.drafter else 'none'}, "
           f"block {decoder.block_size}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(decoder, config), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _bench_serve(args) -> int:
+    from pathlib import Path
+
+    import blockspec
+    from blockspec.bench.datasets import load_prompts
+    from blockspec.bench.runner import machine_description
+    from blockspec.bench.serving import report_serving, serving_bench
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise BlockspecError(f"--concurrency takes integers like 1,2,4,8, got {args.concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise BlockspecError("--concurrency levels must be >= 1")
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size)
+    if decoder.drafter is None:
+        raise BlockspecError("bench-serve compares a drafter with the plain batched loop: pass --drafter")
+    prompts = [decoder.target.encode_prompt(p.turns[0])
+               for p in load_prompts(args.dataset, args.data_dir, args.requests, args.seed)]
+    rows = serving_bench(decoder.target, decoder.drafter, prompts, levels, decoder.block_size, args.max_new_tokens)
+    meta = {"command": " ".join(sys.argv), "machine": machine_description(), "drafter": decoder.drafter.name,
+            "block_size": decoder.block_size, "requests": len(prompts), "max_new_tokens": args.max_new_tokens}
+    print(report_serving(rows, Path(args.output), meta))
     return 0
 
 
