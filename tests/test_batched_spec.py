@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from blockspec.decoding.batched_spec import BatchedSpecEngine
 from blockspec.decoding.sampling import SamplingParams

@@ -15,20 +15,16 @@ Checkpoints are the reference format (config.json + model.safetensors) that vLLM
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from blockspec.atomic import replace_dir
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 from blockspec.drafters.base import Draft, Drafter
-from blockspec.errors import DrafterMismatchError, DrafterNotFoundError
+from blockspec.drafters.checkpoint import DraftCheckpoint
+from blockspec.errors import DrafterMismatchError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -212,8 +208,11 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DFlashDraftModel(nn.Module):
+class DFlashDraftModel(DraftCheckpoint, nn.Module):
     """The drafter's own weights. Parameter names are the reference checkpoint's."""
+
+    architecture = "DFlashDraftModel"
+    config_class = DFlashConfig
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -232,15 +231,7 @@ class DFlashDraftModel(nn.Module):
         # The target head's rows for the draft vocabulary, written as `lm_head.weight` so that
         # serving engines use the right rows (vLLM otherwise takes the first N). blockspec
         # itself always computes the head from the target at run time.
-        self.stored_head: torch.Tensor | None = None
-
-    def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
-        weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
-        if self.config.draft_vocab_size:
-            weight = weight.index_select(0, self.d2t)
-            bias = None if bias is None else bias.index_select(0, self.d2t)
-        return weight, bias
+        self.stored_head = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [b, 1, n, d] for absolute `positions` [b, n]."""
@@ -261,52 +252,6 @@ class DFlashDraftModel(nn.Module):
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
             hidden = layer(hidden, cos, sin, context_k, context_v, attn_mask)
         return self.norm(hidden)
-
-    # --- reference checkpoint format --------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """Write config.json + model.safetensors atomically (a reader sees all or nothing).
-        `dtype` stores the floating-point weights in another precision (e.g. float16 to ship)."""
-        with replace_dir(directory) as staging:
-            self.write_files(staging, dtype)
-
-    def write_files(self, folder: Path, dtype: torch.dtype | None = None) -> None:
-        """config.json + model.safetensors into an existing folder (not atomic on its own)."""
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
-        if self.config.draft_vocab_size:
-            tensors["d2t"] = tensors["d2t"] - torch.arange(self.config.draft_vocab_size)
-            if self.stored_head is not None:
-                tensors["lm_head.weight"] = self.stored_head.detach().to("cpu", next(self.parameters()).dtype)
-        if dtype is not None:
-            tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-        config = self.config.to_hf_dict()
-        config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).replace("torch.", "")
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> "DFlashDraftModel":
-        directory = Path(directory)
-        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-        if not config_path.is_file() or not weights_path.is_file():
-            raise DrafterNotFoundError(f"{directory} is not a drafter folder (needs config.json and model.safetensors)")
-        try:
-            data = json.loads(config_path.read_text())
-        except json.JSONDecodeError as error:
-            raise DrafterMismatchError(f"{config_path} is not valid JSON: {error}") from None
-        if "DFlashDraftModel" not in (data.get("architectures") or []):
-            raise DrafterMismatchError(f"{config_path}: architectures {data.get('architectures')} is not DFlashDraftModel")
-        model = cls(DFlashConfig.from_hf_dict(data))
-        state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
-        model.stored_head = state.pop("lm_head.weight", None)
-        if "d2t" in state and model.config.draft_vocab_size:
-            state["d2t"] = state["d2t"] + torch.arange(model.config.draft_vocab_size)  # offsets -> ids
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DrafterMismatchError(
-                f"{weights_path}: weight names do not match the DFlash format "
-                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
-            )
-        return model.eval()
 
 
 # --- the drafter in the engine ----------------------------------------------------
@@ -415,3 +360,4 @@ def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> 
 
 def load_dflash(directory, target, **options) -> DFlashDrafter:
     return DFlashDrafter(DFlashDraftModel.from_pretrained(directory), target, **options)
+

@@ -1,0 +1,84 @@
+"""What every trained drafter's weights share: the borrowed (frozen) LM head, restricted
+to an optional reduced draft vocabulary, and the checkpoint folder (config.json +
+model.safetensors, written atomically, safetensors only).
+
+A reduced draft vocabulary lives in memory as `d2t` = absolute target ids; on disk
+`d2t` holds OFFSETS (target id = index + d2t[index]) and `lm_head.weight` the target
+head's rows for it: the EAGLE-3 convention that vLLM reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockspec.atomic import replace_dir
+from blockspec.errors import DrafterMismatchError, DrafterNotFoundError
+
+
+class DraftCheckpoint:
+    """Mixin for a drafter's nn.Module. Subclasses set `architecture` (the config.json
+    `architectures` entry) and `config_class` (with `from_hf_dict` / `to_hf_dict` and
+    a `draft_vocab_size` field), and register a `d2t` buffer when the vocabulary is reduced."""
+
+    architecture: str = ""
+    config_class = None
+    stored_head: torch.Tensor | None = None  # written as lm_head.weight (serving engines use it)
+
+    def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
+        weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
+        if self.config.draft_vocab_size:
+            weight = weight.index_select(0, self.d2t)
+            bias = None if bias is None else bias.index_select(0, self.d2t)
+        return weight, bias
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors atomically (a reader sees all or nothing).
+        `dtype` stores the floating-point weights in another precision (e.g. float16 to ship)."""
+        with replace_dir(directory) as staging:
+            self.write_files(staging, dtype)
+
+    def write_files(self, folder: Path, dtype: torch.dtype | None = None) -> None:
+        """config.json + model.safetensors into an existing folder (not atomic on its own)."""
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        if self.config.draft_vocab_size:
+            tensors["d2t"] = tensors["d2t"] - torch.arange(self.config.draft_vocab_size)
+            if self.stored_head is not None:
+                tensors["lm_head.weight"] = self.stored_head.detach().to("cpu", next(self.parameters()).dtype)
+        if dtype is not None:
+            tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        config = self.config.to_hf_dict()
+        config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).replace("torch.", "")
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike):
+        directory = Path(directory)
+        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+        if not config_path.is_file() or not weights_path.is_file():
+            raise DrafterNotFoundError(f"{directory} is not a drafter folder (needs config.json and model.safetensors)")
+        try:
+            data = json.loads(config_path.read_text())
+        except json.JSONDecodeError as error:
+            raise DrafterMismatchError(f"{config_path} is not valid JSON: {error}") from None
+        if cls.architecture not in (data.get("architectures") or []):
+            raise DrafterMismatchError(f"{config_path}: architectures {data.get('architectures')} is not "
+                                       f"{cls.architecture}")
+        model = cls(cls.config_class.from_hf_dict(data))
+        state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
+        model.stored_head = state.pop("lm_head.weight", None)
+        if "d2t" in state and model.config.draft_vocab_size:
+            state["d2t"] = state["d2t"] + torch.arange(model.config.draft_vocab_size)  # offsets -> ids
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DrafterMismatchError(
+                f"{weights_path}: weight names do not match the {cls.architecture} format "
+                f"(missing: {sorted(missing)[:5]}, unexpected: {sorted(unexpected)[:5]})"
+            )
+        return model.eval()
