@@ -84,6 +84,8 @@ def test_method_names_parse_into_the_registry():
     lossy = parse_methods("baseline,diffusion-b8-s2,diffusion-b4", "/drafter")[1:]
     assert [(m.engine, m.block_size, m.diffusion_steps, m.lossless) for m in lossy] == [
         ("diffusion", 8, 2, False), ("diffusion", 4, 1, False)]
+    custom = parse_methods("baseline,mtp-b4=/runs/mtp", None)[1]
+    assert (custom.name, custom.drafter, custom.block_size, custom.engine) == ("mtp-b4", "/runs/mtp", 4, "blockspec")
     with pytest.raises(InvalidArgumentError, match="unknown bench method"):
         parse_methods("baseline,medusa", None)
     with pytest.raises(InvalidArgumentError, match="first bench method"):

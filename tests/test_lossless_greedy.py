@@ -45,6 +45,16 @@ def make_drafter(kind, target, prompt, ref, seed=0):
         model = DFlashDraftModel(config)
         model.d2t.copy_(torch.randperm(target.vocab_size)[:24].sort().values)
         return DFlashDrafter(model, target)
+    if kind == "mtp":  # a random MTP head (reduced draft vocabulary on odd seeds)
+        from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
+
+        torch.manual_seed(seed)
+        config = MTPConfig.for_target(target, block_size=16)
+        model = MTPHeadModel(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+        return MTPDrafter(model, target)
     if kind == "draft-model":  # an independent small LM with the same vocabulary
         from blockspec.drafters.draft_model import DraftModelDrafter
 
@@ -58,7 +68,7 @@ def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model", "mtp"])
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_identity(arch, kind, block, prompt_name):

@@ -91,11 +91,25 @@ def dflash(target, sample_drafts, draft_vocab=None):
         ("sampled drafts, rejection sampling, top-k/top-p", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
         ("sampled drafts from a reduced draft vocabulary, rejection sampling", SamplingParams(temperature=1.0)),
         ("sampled drafts from an independent draft model, rejection sampling", SamplingParams(temperature=0.9)),
+        ("sampled drafts from an MTP head with a reduced vocabulary, rejection sampling",
+         SamplingParams(temperature=1.0, top_k=6)),
     ],
 )
 def test_output_distribution_is_the_targets(target, rule, params):
     draft_vocab = [0, 2, 3, 5, 6] if "reduced" in rule else None
-    if "draft model" in rule:
+    if "MTP" in rule:
+        from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
+
+        torch.manual_seed(2)
+        config = MTPConfig.for_target(target, block_size=BLOCK)
+        config.draft_vocab_size = 5
+        model = MTPHeadModel(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+            model.d2t.copy_(torch.tensor([0, 2, 3, 5, 6]))
+        drafter = MTPDrafter(model, target)
+    elif "draft model" in rule:
         from blockspec.drafters.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter(tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=1, seed=9), target)

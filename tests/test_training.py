@@ -138,3 +138,22 @@ def test_random_mask_reveals_some_tokens_and_only_unlabels_them():
     assert torch.equal(revealed_ids[0, ::8], block_ids[0, ::8])
     for block in range(3):
         assert (revealed_labels[0, block * 8 + 1:(block + 1) * 8] != IGNORE).any()
+
+
+def test_mtp_overfit_gate_and_checkpoint_round_trip(tmp_path):
+    from blockspec.drafters.mtp import MTPDrafter, MTPHeadModel
+    from blockspec.training.mtp import MTPTrainer
+
+    target = tiny_target("llama")
+    record = one_record(target)
+    trainer = MTPTrainer(small_config(tmp_path, epochs=300, method="mtp", lr=3e-3), target, records=[record])
+    trainer.run()
+    loaded = MTPHeadModel.from_pretrained(tmp_path / "run" / "final")
+    for (name, a), (_, b) in zip(trainer.model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    drafter = MTPDrafter(loaded, target)
+    stats = GenerationStats(8)
+    out = [t for c in SpecEngine(target, drafter, 8).generate(record["prompt_ids"], max_new_tokens=40,
+                                                               stop_token_ids=(-1,), stats=stats) for t in c]
+    assert out == record["response_ids"][:40]
+    assert stats.tau >= 6.0, stats.accept_hist

@@ -272,9 +272,13 @@ def _data(args) -> int:
 def _train(args) -> int:
     from blockspec.targets.loading import load_target
     from blockspec.training.config import TrainConfig, load_config
+    from blockspec.training.mtp import MTPTrainer
     from blockspec.training.trainer import DFlashTrainer
 
     config = load_config(TrainConfig, args.config, args.overrides)
+    trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer}
+    if config.method not in trainers:
+        raise BlockspecError(f"unknown training method {config.method!r}: one of {', '.join(trainers)}")
     if not config.data:
         raise BlockspecError("train needs --data FOLDER (built by `blockspec data`)")
     device = config.device
@@ -284,7 +288,7 @@ def _train(args) -> int:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     target = load_target(config.target, threads=config.threads, device=device or "cpu")
-    DFlashTrainer(config, target).run(resume=args.resume)
+    trainers[config.method](config, target).run(resume=args.resume)
     return 0
 
 

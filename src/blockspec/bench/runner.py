@@ -76,12 +76,18 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
     """Method names -> methods; the first is the baseline. `baseline` (blockspec's plain
     loop), any drafter registered by name (e.g. `prompt-lookup`), `dflash-bN` (the DFlash
     drafter at block size N), the transformers peers `hf-generate`, `hf-prompt-lookup`
-    and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter)."""
+    and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter), the lossy
+    `diffusion-bN[-sK]`, and `LABEL=FOLDER` for any other trained drafter (e.g.
+    `mtp-b4=runs/mtp/final`: an MTP head at block size 4)."""
     methods = []
     for name in (n.strip() for n in names.split(",") if n.strip()):
         block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
         diffusion = _DIFFUSION.match(name)
-        if name == "baseline":
+        if "=" in name:  # LABEL=FOLDER: any trained drafter (DFlash, MTP, ...), block size from a -bN suffix
+            label, folder = name.split("=", 1)
+            suffix = label.rsplit("-b", 1)
+            methods.append(Method(label, folder, int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 8))
+        elif name == "baseline":
             methods.append(Method(name, "none", 1))
         elif diffusion and drafter:  # lossy: standalone diffusion decoding with the DFlash drafter
             methods.append(Method(name, drafter, int(diffusion[1]), engine="diffusion",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from blockspec.drafters.base import Drafter
 from blockspec.drafters.dflash import load_dflash
+from blockspec.drafters.mtp import load_mtp
 from blockspec.drafters.prompt_lookup import PromptLookupDrafter
 from blockspec.errors import DrafterNotFoundError
 
@@ -19,6 +20,7 @@ NAMED_DRAFTERS: dict[str, Callable[..., Drafter]] = {
 # Trained drafters, by the `architectures` entry of their config.json.
 CHECKPOINT_LOADERS: dict[str, Callable[..., Drafter]] = {
     "DFlashDraftModel": load_dflash,
+    "MTPHeadModel": load_mtp,
 }
 # Drafters shipped inside the package, one folder each.
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"

@@ -180,15 +180,8 @@ class DFlashTrainer:
         self.train_records = [records[i] for i in order[holdout:]]
         if not self.train_records:
             raise InvalidArgumentError("no training records")
-        mask_token_id = config.mask_token_id if config.mask_token_id is not None else choose_mask_token(target)
         torch.manual_seed(config.seed)
-        drafter_config = DFlashConfig.for_target(
-            target, num_layers=config.num_layers, block_size=config.block_size, mask_token_id=mask_token_id,
-            target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
-        drafter_config.draft_vocab_size = config.draft_vocab_size
-        self.model = DFlashDraftModel(drafter_config)
-        if config.init_from_target:
-            init_from_target_layers(self.model, target)
+        self.model = self.build_model()
         if config.init_from:
             self._warm_start(config.init_from)
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
@@ -208,7 +201,8 @@ class DFlashTrainer:
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo" if target.device.type == "cpu" else "nccl")
-            self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
+            if self.uses_ddp_wrapper:
+                self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         if config.batch_size % self.world_size:
             raise InvalidArgumentError(f"batch_size {config.batch_size} is not divisible by {self.world_size} processes")
@@ -229,14 +223,43 @@ class DFlashTrainer:
         self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
         self.output = Path(config.output)
 
+    # --- what a drafting method defines (DFlash here; subclasses for the others) ----------
+    #: False: the method calls its model several times per step, so gradients are averaged
+    #: by hand (`reduce_gradients`) instead of by a DDP wrapper
+    uses_ddp_wrapper = True
+
+    def build_model(self):
+        config, target = self.config, self.target
+        mask_token_id = config.mask_token_id if config.mask_token_id is not None else choose_mask_token(target)
+        drafter_config = DFlashConfig.for_target(
+            target, num_layers=config.num_layers, block_size=config.block_size, mask_token_id=mask_token_id,
+            target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
+        drafter_config.draft_vocab_size = config.draft_vocab_size
+        model = DFlashDraftModel(drafter_config)
+        if config.init_from_target:
+            init_from_target_layers(model, target)
+        return model
+
+    def make_drafter(self):
+        return DFlashDrafter(self.model, self.target)
+
+    def reduce_gradients(self) -> None:
+        if self.world_size > 1 and not self.uses_ddp_wrapper:
+            import torch.distributed as dist
+
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    dist.all_reduce(parameter.grad)
+                    parameter.grad /= self.world_size
+
     def _warm_start(self, folder: str) -> None:
         try:
-            source = DFlashDraftModel.from_pretrained(folder)
+            source = type(self.model).from_pretrained(folder)
         except (OSError, ValueError) as error:
             raise InvalidArgumentError(f"init_from {folder}: {error}") from None
         mine, theirs = self.model.config, source.config
         for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "target_layer_ids"):
-            if getattr(mine, field) != getattr(theirs, field):
+            if getattr(mine, field, None) != getattr(theirs, field, None):
                 raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
                                            f"{getattr(mine, field)}")
         state = {k: v for k, v in source.state_dict().items() if k != "d2t"}  # the vocabulary is this run's
@@ -334,6 +357,7 @@ class DFlashTrainer:
         # DDP AVERAGES gradients over ranks while each rank's loss is already its share
         # of the global loss: scale back up by the world size.
         (loss * self.world_size).backward()
+        self.reduce_gradients()
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -352,8 +376,7 @@ class DFlashTrainer:
     def evaluate_tau(self) -> float:
         """Real acceptance length of the current drafter through the engine, held-out prompts."""
         self.model.eval()
-        drafter = DFlashDrafter(self.model, self.target)
-        engine = SpecEngine(self.target, drafter, self.config.block_size)
+        engine = SpecEngine(self.target, self.make_drafter(), self.config.block_size)
         committed = steps = 0
         for record in self.eval_records[: self.config.eval_prompts]:
             stats = GenerationStats(self.config.block_size)
@@ -377,7 +400,7 @@ class DFlashTrainer:
         folder = self.output / name
         if not (folder / "trainer_state.pt").exists():
             return False
-        restored = DFlashDraftModel.from_pretrained(folder)
+        restored = type(self.model).from_pretrained(folder)
         self.model.load_state_dict(restored.state_dict())
         state = torch.load(folder / "trainer_state.pt", weights_only=True)  # tensors and plain types only
         self.optimizer.load_state_dict(state["optimizer"])

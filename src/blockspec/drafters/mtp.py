@@ -1,0 +1,155 @@
+"""MTP head (FastMTP style): ONE position-shared head on the target's last hidden state,
+applied recursively to predict t+2, t+3, ...
+
+    h_0 = the target's final hidden state at the last verified position (it already
+          predicted the bonus token x_1 through the target's own head)
+    h_k = h_{k-1}' + MLP(norm(h_{k-1}')),  h_{k-1}' = fc([norm(h_{k-1}); norm(embed(x_k))])
+    x_{k+1} = argmax(target_head(norm(h_k)))   (or a sample, at T > 0)
+
+The head has no attention of its own: it sees the sequence only through the target's
+hidden state, which is what keeps it one small MLP per drafted token. Embedding and LM
+head are the target's, frozen; an optional reduced draft vocabulary restricts the head.
+Trained by self-distillation on the target's regenerated data (`blockspec train --method
+mtp`). Checkpoint: config.json (`architectures: ["MTPHeadModel"]`) + model.safetensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.drafters.base import Draft, Drafter
+from blockspec.drafters.checkpoint import DraftCheckpoint
+from blockspec.errors import DrafterMismatchError
+
+
+@dataclass
+class MTPConfig:
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    block_size: int = 8  # anchor + drafted tokens it was trained for
+    draft_vocab_size: int | None = None
+    target: dict = field(default_factory=dict)
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return [self.num_target_layers - 1]  # the final hidden state
+
+    @classmethod
+    def for_target(cls, target, *, block_size: int = 8, intermediate_size: int | None = None) -> "MTPConfig":
+        return cls(hidden_size=target.hidden_size,
+                   intermediate_size=intermediate_size or target.config.intermediate_size,
+                   vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+                   rms_norm_eps=float(getattr(target.config, "rms_norm_eps", 1e-6)), block_size=block_size,
+                   target=target.fingerprint())
+
+    def to_hf_dict(self) -> dict:
+        return {"architectures": ["MTPHeadModel"], "model_type": "blockspec_mtp", "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+                "num_target_layers": self.num_target_layers, "rms_norm_eps": self.rms_norm_eps,
+                "block_size": self.block_size, "blockspec_target": self.target,
+                **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {})}
+
+    @classmethod
+    def from_hf_dict(cls, data: dict) -> "MTPConfig":
+        try:
+            return cls(hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
+                       vocab_size=data["vocab_size"], num_target_layers=data["num_target_layers"],
+                       rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)), block_size=int(data.get("block_size", 8)),
+                       draft_vocab_size=data.get("draft_vocab_size"), target=data.get("blockspec_target") or {})
+        except KeyError as error:
+            raise DrafterMismatchError(f"config.json is not an MTP head config: missing {error}") from None
+
+
+class MTPHeadModel(DraftCheckpoint, nn.Module):
+    architecture = "MTPHeadModel"
+    config_class = MTPConfig
+
+    def __init__(self, config: MTPConfig):
+        super().__init__()
+        self.config = config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.hidden_norm = nn.RMSNorm(hidden, eps=eps)
+        self.embed_norm = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=eps)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        if config.draft_vocab_size:
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        self.stored_head = None
+        with torch.no_grad():  # start as "the next hidden state is the current one" plus a small update
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+            self.down_proj.weight.mul_(0.1)
+
+    def step(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """One recursion: [.., H] hidden and the next token's embedding -> the next hidden."""
+        x = self.fc(torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embeds)], dim=-1))
+        y = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+
+    def __init__(self, model: MTPHeadModel, target, *, force: bool = False):
+        config = model.config
+        problems = []
+        if config.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
+        if config.vocab_size != target.vocab_size or config.num_target_layers != target.num_layers:
+            problems.append("vocabulary or layer count differ from the target's")
+        recorded = config.target.get("tokenizer_sha256")
+        if not force and recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
+            problems.append("trained for a different tokenizer; --force-drafter uses it anyway")
+        if problems:
+            raise DrafterMismatchError("MTP head does not fit the target: " + "; ".join(problems))
+        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.target = target
+        self.target_layer_ids = tuple(config.target_layer_ids)
+        self._head_weight, self._head_bias = self.model.head(target)
+        self._d2t = getattr(self.model, "d2t", None)
+        self._hidden: torch.Tensor | None = None
+
+    def begin(self, prompt_ids, prompt_features) -> None:
+        self._hidden = prompt_features[-1]
+
+    def accept(self, committed_ids, committed_features) -> None:
+        self._hidden = committed_features[-1]  # the last verified position: it predicted the bonus token
+
+    @torch.inference_mode()
+    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
+        hidden, token = self._hidden, token_ids[-1:]
+        tokens, rows = [], []
+        for _ in range(num_drafts):
+            hidden = self.model.step(hidden, self.target.embed(token.to(self.target.device))[0])
+            logits = F.linear(self.model.norm(hidden), self._head_weight, self._head_bias).float()[None]
+            if params.greedy:
+                choice = logits.argmax(-1)
+            else:
+                probs = warp_probs(logits, params)
+                choice = sample(probs, generator)
+                rows.append(probs[0])
+            token = choice if self._d2t is None else self._d2t[choice]
+            tokens.append(int(token))
+        draft_tokens = torch.tensor(tokens, dtype=torch.long)
+        if params.greedy or not rows:
+            return Draft(tokens=draft_tokens)
+        probs = torch.stack(rows)
+        if self._d2t is not None:  # q over the full vocabulary: zero outside the draft vocabulary
+            probs = torch.zeros(len(rows), self.target.vocab_size, device=probs.device).index_copy_(1, self._d2t, probs)
+        return Draft(tokens=draft_tokens, probs=probs.cpu())
+
+
+def load_mtp(directory, target, **options) -> MTPDrafter:
+    return MTPDrafter(MTPHeadModel.from_pretrained(directory), target, force=options.get("force", False))

@@ -1,0 +1,78 @@
+"""`blockspec train --method mtp`: the MTP head trained by self-distillation on the
+target's regenerated data, with everything else (data, schedule, checkpoints, resume,
+held-out tau, DDP) from the DFlash trainer.
+
+For a random position t of a response: h_0 is the target's final hidden state at t
+(the target itself predicts x[t+1] from it); the head is unrolled K = block_size - 1
+times on the TRUE next tokens, step k predicting x[t+k+1] with loss weight
+exp(-(k-1)/gamma), as the DFlash recipe weights block positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
+from blockspec.training.trainer import IGNORE, DFlashTrainer, sample_anchors
+
+
+class MTPTrainer(DFlashTrainer):
+    uses_ddp_wrapper = False  # the head runs K times per step: gradients are averaged by hand
+
+    def build_model(self):
+        config = MTPConfig.for_target(self.target, block_size=self.config.block_size,
+                                      intermediate_size=self.config.intermediate_size)
+        config.draft_vocab_size = self.config.draft_vocab_size
+        return MTPHeadModel(config)
+
+    def make_drafter(self):
+        return MTPDrafter(self.model, self.target)
+
+    def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
+        config = self.config
+        steps = config.block_size - 1
+        features = self._target_features(list(indices))
+        hiddens, tokens = [], []
+        for index, feats in zip(indices, features):
+            sequence, prompt_len = self._sequence(self.train_records[index])
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 100_003 + index)
+            for t in sample_anchors(prompt_len, sequence.numel(), config.num_anchors, generator).tolist():
+                hiddens.append(feats[t])
+                following = sequence[t + 1:t + steps + 2]  # x[t+1] (the target's own) .. x[t+K+1]
+                tokens.append(F.pad(following, (0, steps + 1 - following.numel()), value=IGNORE))
+        device, dtype = self.target.device, next(self.model.parameters()).dtype
+        if not hiddens:  # no response position to learn from in this batch
+            zero = sum(p.sum() for p in self.model.parameters()) * 0.0
+            return zero, {"loss": 0.0, "acc": 0.0}
+        hidden = torch.stack(hiddens).to(device, dtype)
+        tokens = torch.stack(tokens).to(device)
+        weight_sum = torch.zeros((), device=device)
+        total = torch.zeros((), device=device)
+        correct = counted = 0
+        for k in range(1, steps + 1):
+            inputs, labels = tokens[:, k - 1], tokens[:, k]
+            alive = inputs != IGNORE
+            if not bool(alive.any()):
+                break
+            with torch.no_grad():
+                embeds = self.target.embed(inputs.clamp_min(0))
+            hidden = self.model.step(hidden, embeds)
+            mapped = torch.where(labels == IGNORE, IGNORE, self.t2d.to(device)[labels.clamp_min(0)])
+            valid = alive & (mapped >= 0)
+            if not bool(valid.any()):
+                continue
+            logits = F.linear(self.model.norm(hidden[valid]), *self._head).float()
+            weight = float(self.weights[k])
+            total = total + weight * F.cross_entropy(logits, mapped[valid], reduction="sum")
+            weight_sum = weight_sum + weight * valid.sum()
+            with torch.no_grad():
+                correct += int((logits.argmax(-1) == mapped[valid]).sum())
+                counted += int(valid.sum())
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            weight_sum = weight_sum.detach().clone()
+            dist.all_reduce(weight_sum)  # the global normaliser, as in the DFlash loss
+        loss = total / weight_sum.detach().clamp_min(1e-8)
+        return loss, {"loss": float(loss.detach()), "acc": correct / counted if counted else 0.0}
