@@ -90,4 +90,5 @@ def generate_batch(
 
 
 def _features(out, layer_ids: list[int]) -> torch.Tensor:
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.float16)
+    # to host memory at once: a shard's features must not pile up on an accelerator
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to("cpu", torch.float16)

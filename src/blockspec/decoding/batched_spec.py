@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.engine import committed_tokens, record_logprobs, verify
 from blockspec.decoding.sampling import SamplingParams, next_token
+from blockspec.drafters.base import Draft
 from blockspec.decoding.stats import GenerationStats
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.cache import GrowingLayer, new_cache
@@ -46,8 +47,13 @@ class BatchRow:
     logprobs: list | None = None
     top_logprobs: int = 0
     accept_ema: float = -1.0  # recent accepted drafts per step (-1: no history yet)
+    idle_steps: int = 0  # steps since this row last drafted
     cancelled: bool = False
+    error: Exception | None = None  # set when this row failed on its own (e.g. its prefill)
     decode_started: float = 0.0
+
+
+PROBE_EVERY = 16
 
 
 class BatchedSpecEngine:
@@ -95,33 +101,48 @@ class BatchedSpecEngine:
                 row.stats = GenerationStats(self.block_size)
                 row.on_done(row.stats)
                 continue
-            started = time.perf_counter()
             row.stats = GenerationStats(self.block_size)
-            row.generator = None if row.params.greedy else row.params.generator()
-            prompt = torch.tensor(row.tokens)
-            single = new_cache(self.target.model.config)
-            out = self.target.model(input_ids=prompt[None].to(self.target.device), cache=single, use_cache=True,
-                                    output_hidden_states=bool(self.layer_ids))
-            logits = out.logits[0, -1].float()
-            first = next_token(logits, row.params, row.generator)
-            if row.logprobs is not None:
-                from blockspec.decoding.engine import _record_logprobs
+            try:
+                self._prefill(row)
+            except Exception as error:  # this row fails alone; the batch goes on
+                if row in self.rows:  # it failed after joining (in a callback): not a prefill failure
+                    raise
+                row.error = error
+                row.on_done(row.stats)
 
-                _record_logprobs(row.logprobs, logits[None], [first], row.top_logprobs)
-            if self.drafter is not None:
-                row.drafter = self.drafter.fork()
-                features = (torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-                            if self.layer_ids else None)
-                row.drafter.begin(prompt, features)
-            self._merge(single, prompt.numel())
-            row.tokens.append(first)
-            row.stats.new_tokens = 1
-            row.stats.ttft_s = time.perf_counter() - started
-            row.decode_started = time.perf_counter()
-            self.rows.append(row)
-            row.on_chunk([first])
-            if first in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
-                self._finish(len(self.rows) - 1)
+    def _prefill(self, row: BatchRow) -> None:
+        started = time.perf_counter()
+        row.generator = None if row.params.greedy else row.params.generator()
+        prompt = torch.tensor(row.tokens)
+        single = new_cache(self.target.model.config)
+        out = self.target.model(input_ids=prompt[None].to(self.target.device), cache=single, use_cache=True,
+                                output_hidden_states=bool(self.layer_ids), logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        first = next_token(logits, row.params, row.generator)
+        if row.logprobs is not None:
+            record_logprobs(row.logprobs, logits[None], [first], row.top_logprobs)
+        drafter = None
+        if self.drafter is not None:
+            drafter = self.drafter.fork()
+            features = (torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+                        if self.layer_ids else None)
+            drafter.begin(prompt, features)
+        # nothing of the batch changes before this point: a failure above leaves it intact
+        row.drafter = drafter
+        self._merge(single, prompt.numel())
+        row.tokens.append(first)
+        row.stats.new_tokens = 1
+        row.stats.ttft_s = time.perf_counter() - started
+        row.decode_started = time.perf_counter()
+        self.rows.append(row)
+        row.on_chunk([first])
+        if first in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
+            self._finish(len(self.rows) - 1)
+
+    def reset(self) -> None:
+        """Drop every row and the cache (after a failed step: start clean)."""
+        self.rows, self.waiting, self.cache = [], [], None
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
 
     def _merge(self, single, length: int) -> None:
         """Append a prefilled sequence's cache as a new row (its slots first, holes after)."""
@@ -155,14 +176,20 @@ class BatchedSpecEngine:
         drafts = min(self.block_size - 1, left)
         if self.adaptive and row.accept_ema >= 0:
             # draft about twice what this row recently accepted (+1 to keep probing); none when
-            # it accepts nothing, so a row that does not profit costs a plain decode step
-            drafts = min(drafts, math.ceil(2 * row.accept_ema + 1) if row.accept_ema > 0.05 else 0)
+            # it accepts almost nothing, so a row that does not profit costs a plain decode step,
+            # with one probe every PROBE_EVERY steps in case its text became predictable
+            if row.accept_ema > 0.05:
+                drafts = min(drafts, math.ceil(2 * row.accept_ema + 1))
+            elif row.idle_steps < PROBE_EVERY:
+                drafts = 0
+            else:
+                drafts = min(drafts, 2)
         return max(drafts, 0)
 
     @torch.inference_mode()
     def step(self) -> None:
         """Admit waiting sequences, then one draft + batched verify step for every row."""
-        self.rows_cancelled()
+        self.drop_cancelled_rows()
         self._admit()
         if not self.rows:
             return
@@ -185,7 +212,8 @@ class BatchedSpecEngine:
             ids[i, :len(block)] = torch.tensor(block)
             ids[i, len(block):] = row.tokens[-1]
             start = len(row.tokens) - 1
-            positions[i] = torch.arange(start, start + width_q)
+            positions[i, :len(block)] = torch.arange(start, start + len(block))
+            positions[i, len(block):] = start + len(block) - 1  # padding never runs past the row's real positions
             query_valid[i, :len(block)] = True
         old = self.valid.shape[1]
         causal = torch.ones(width_q, width_q, dtype=torch.bool).tril()
@@ -205,28 +233,22 @@ class BatchedSpecEngine:
         finished = []
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
             count = lengths[i] - 1
-            row_draft = draft if draft is not None else _empty_draft()
-            accept_length, bonus = SpecEngine._verify(logits[i, :count + 1], row_draft, row.params, row.generator)
+            row_draft = draft if draft is not None else _NO_DRAFT
+            accept_length, bonus = verify(logits[i, :count + 1], row_draft, row.params, row.generator)
             new_valid[i, :accept_length + 1] = True
             if row.drafter is not None:
                 kept = ids[i, :accept_length + 1]
                 row.drafter.accept(kept, None if features is None else features[i, :accept_length + 1])
-            new = row_draft.tokens[:accept_length].tolist() + [bonus]
             row.stats.record_step(count, accept_length)
             if count:
                 ema = row.accept_ema if row.accept_ema >= 0 else accept_length
-                row.accept_ema = 0.7 * ema + 0.3 * accept_length
-            elif row.accept_ema >= 0:
-                row.accept_ema = 0.95 * row.accept_ema + 0.05 * 0.5  # slowly re-probe a row that stopped drafting
-            for index, token in enumerate(new):
-                if token in row.stop_ids:
-                    new = new[: index + 1]
-                    break
+                row.accept_ema, row.idle_steps = 0.7 * ema + 0.3 * accept_length, 0
+            else:
+                row.idle_steps += 1
+            new = committed_tokens(row_draft, accept_length, bonus, row.stop_ids)
             new = new[: row.max_new_tokens - row.stats.new_tokens]
             if row.logprobs is not None:
-                from blockspec.decoding.engine import _record_logprobs
-
-                _record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
+                record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
             row.tokens += new
             row.stats.new_tokens += len(new)
             row.on_chunk(new)
@@ -237,7 +259,7 @@ class BatchedSpecEngine:
             self._finish(i)
         self._compact_if_sparse()
 
-    def rows_cancelled(self) -> None:
+    def drop_cancelled_rows(self) -> None:
         for i in reversed([i for i, row in enumerate(self.rows) if row.cancelled]):
             self._finish(i)
 
@@ -280,7 +302,4 @@ def _assign(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     layer.keys, layer.values = keys, values
 
 
-def _empty_draft():
-    from blockspec.drafters.base import Draft
-
-    return Draft(tokens=torch.empty(0, dtype=torch.long))
+_NO_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.decoding.sampling import SamplingParams, next_token, sample, warp_probs
 from blockspec.errors import InvalidArgumentError
 
 
@@ -112,8 +112,12 @@ class DiffusionDecoder:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
         if prompt.numel() == 0:
             raise InvalidArgumentError("the prompt is empty")
+        if prompt.numel() >= target.max_context:
+            raise InvalidArgumentError(f"the prompt has {prompt.numel()} tokens; the target's context is "
+                                       f"{target.max_context}")
         if max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        max_new_tokens = min(max_new_tokens, target.max_context - prompt.numel())
         stop_ids = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
         stats = stats if stats is not None else DiffusionStats(self.block_size)
         generator = None if params.greedy else params.generator()
@@ -122,9 +126,7 @@ class DiffusionDecoder:
         target.reset()
         out = target.forward(prompt, layer_ids)
         target.rollback(prompt.numel())
-        # the first token is the target's own, as in speculative decoding
-        first = int(out.logits[-1].argmax()) if params.greedy else int(sample(warp_probs(out.logits[-1:], params),
-                                                                                   generator)[0])
+        first = next_token(out.logits[-1], params, generator)  # the target's own, as in speculative decoding
         drafter.begin(prompt, out.features)
         tokens = prompt.tolist() + [first]
         stats.new_tokens = 1

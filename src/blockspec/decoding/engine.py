@@ -76,7 +76,7 @@ class SpecEngine:
         target.rollback(prompt.numel())  # trims sliding-window layers; removes nothing
         first = next_token(out.logits[-1], params, generator)
         if logprobs is not None:
-            _record_logprobs(logprobs, out.logits[-1:], [first], top_logprobs)
+            record_logprobs(logprobs, out.logits[-1:], [first], top_logprobs)
         if drafter is not None:
             drafter.begin(prompt, out.features)
         tokens = torch.cat([prompt, torch.tensor([first])])  # committed; the last one is the anchor
@@ -94,21 +94,17 @@ class SpecEngine:
                 num_drafts = draft.tokens.numel()
                 verify_ids = torch.cat([tokens[-1:], draft.tokens])
                 out = target.forward(verify_ids, layer_ids)
-                accept_length, bonus = self._verify(out.logits, draft, params, generator)
+                accept_length, bonus = verify(out.logits, draft, params, generator)
                 # The target keeps K/V of the anchor and the accepted drafts; the bonus
                 # token has none yet: it is the next anchor, written by the next pass.
                 target.rollback(tokens.numel() + accept_length)
                 if drafter is not None:
                     kept = slice(0, accept_length + 1)
                     drafter.accept(verify_ids[kept], None if out.features is None else out.features[kept])
-                new = draft.tokens[:accept_length].tolist() + [bonus]
+                new = committed_tokens(draft, accept_length, bonus, stop_ids)
                 stats.record_step(num_drafts, accept_length)
-                for index, token in enumerate(new):
-                    if token in stop_ids:
-                        new = new[: index + 1]
-                        break
                 if logprobs is not None:  # row i of the verify pass is the target's distribution for new[i]
-                    _record_logprobs(logprobs, out.logits[: len(new)], new, top_logprobs)
+                    record_logprobs(logprobs, out.logits[: len(new)], new, top_logprobs)
                 tokens = torch.cat([tokens, torch.tensor(new)])
                 stats.new_tokens += len(new)
                 yield new
@@ -119,16 +115,29 @@ class SpecEngine:
             stats.decode_s = finished - first_done
             stats.total_s = finished - started
 
-    @staticmethod
-    def _verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator) -> tuple[int, int]:
-        if params.greedy:
-            return accept_greedy(logits, draft.tokens)
-        if draft.probs is None:
-            return accept_by_matching_samples(logits, draft.tokens, params, generator)
-        return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, generator)
 
 
-def _record_logprobs(sink: list, logits: torch.Tensor, tokens: list[int], top: int) -> None:
+def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator) -> tuple[int, int]:
+    """The one verifier every engine uses: (accept_length, bonus token) for `draft` given the
+    target's logits over [anchor, drafts]."""
+    if params.greedy:
+        return accept_greedy(logits, draft.tokens)
+    if draft.probs is None:
+        return accept_by_matching_samples(logits, draft.tokens, params, generator)
+    return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, generator)
+
+
+def committed_tokens(draft: Draft, accept_length: int, bonus: int, stop_ids: set[int]) -> list[int]:
+    """The accepted drafts plus the bonus token, cut after the first stop id."""
+    new = draft.tokens[:accept_length].tolist() + [bonus]
+    for index, token in enumerate(new):
+        if token in stop_ids:
+            return new[: index + 1]
+    return new
+
+
+def record_logprobs(sink: list, logits: torch.Tensor, tokens: list[int], top: int) -> None:
+    """Append (log-probability of each token under the target, its `top` best alternatives)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     for row, token in zip(log_probs, tokens):
         best = row.topk(top) if top else None

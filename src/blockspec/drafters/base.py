@@ -48,3 +48,14 @@ class Drafter(ABC):
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         """The verifier kept `committed_ids` (the anchor and the accepted drafts, which now
         have target K/V) with their target features. Default: nothing to update."""
+
+
+def on_target_vocabulary(probs: torch.Tensor, vocab_size: int, d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """A draft distribution [k, V'] as one over the target's vocabulary [k, V] (zero where the
+    drafter cannot propose): what rejection sampling needs. `d2t` maps a reduced draft
+    vocabulary to target ids; without it the first V' ids are the drafter's."""
+    if d2t is not None:
+        return torch.zeros(probs.shape[0], vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(1, d2t, probs)
+    if probs.shape[1] < vocab_size:
+        return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[1]))
+    return probs

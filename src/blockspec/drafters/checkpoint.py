@@ -74,7 +74,13 @@ class DraftCheckpoint:
         state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
         model.stored_head = state.pop("lm_head.weight", None)
         if "d2t" in state and model.config.draft_vocab_size:
-            state["d2t"] = state["d2t"] + torch.arange(model.config.draft_vocab_size)  # offsets -> ids
+            ids = state["d2t"] + torch.arange(model.config.draft_vocab_size)  # offsets -> ids
+            if not (bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < model.config.vocab_size):
+                raise DrafterMismatchError(
+                    f"{weights_path}: `d2t` does not map the draft vocabulary to increasing ids inside the "
+                    "target's vocabulary; it must hold offsets (target id = index + d2t[index]), as vLLM reads "
+                    "them (checkpoints written before blockspec 0.1 stored absolute ids: re-save them)")
+            state["d2t"] = ids
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DrafterMismatchError(

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter
+from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
 from blockspec.drafters.checkpoint import DraftCheckpoint
 from blockspec.errors import DrafterMismatchError
 
@@ -318,13 +318,9 @@ class DFlashDrafter(Drafter):
         if self.sample_drafts and not params.greedy:
             probs = warp_probs(logits, params)
             tokens = sample(probs, generator)
-            if self._d2t is not None:  # q over the full vocabulary: zero outside the draft vocabulary
-                full = torch.zeros(probs.shape[0], self.target.vocab_size, device=probs.device)
-                probs = full.index_copy_(1, self._d2t, probs)
-                tokens = self._d2t[tokens]
-            return Draft(tokens=tokens.cpu(), probs=probs.cpu())
-        tokens = logits.argmax(-1)
-        return Draft(tokens=(tokens if self._d2t is None else self._d2t[tokens]).cpu())
+            probs = on_target_vocabulary(probs, self.target.vocab_size, self._d2t)
+            return Draft(tokens=self.to_target_ids(tokens).cpu(), probs=probs.cpu())
+        return Draft(tokens=self.to_target_ids(logits.argmax(-1)).cpu())
 
     def accept(self, committed_ids, committed_features) -> None:
         self._extend_context(committed_features)

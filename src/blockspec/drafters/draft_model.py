@@ -15,7 +15,7 @@ import copy
 import torch
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter
+from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
 from blockspec.errors import DrafterMismatchError
 
 
@@ -79,9 +79,7 @@ class DraftModelDrafter(Drafter):
         draft_tokens = torch.tensor(tokens, dtype=torch.long)
         if greedy:
             return Draft(tokens=draft_tokens)
-        probs = torch.stack(rows)
-        if probs.shape[1] < self.target.vocab_size:  # a forced smaller vocabulary: zero beyond it
-            probs = torch.nn.functional.pad(probs, (0, self.target.vocab_size - probs.shape[1]))
+        probs = on_target_vocabulary(torch.stack(rows), self.target.vocab_size)  # a forced smaller vocabulary
         return Draft(tokens=draft_tokens, probs=probs.cpu())
 
 

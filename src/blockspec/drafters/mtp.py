@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter
+from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
 from blockspec.drafters.checkpoint import DraftCheckpoint
 from blockspec.errors import DrafterMismatchError
 
@@ -145,9 +145,7 @@ class MTPDrafter(Drafter):
         draft_tokens = torch.tensor(tokens, dtype=torch.long)
         if params.greedy or not rows:
             return Draft(tokens=draft_tokens)
-        probs = torch.stack(rows)
-        if self._d2t is not None:  # q over the full vocabulary: zero outside the draft vocabulary
-            probs = torch.zeros(len(rows), self.target.vocab_size, device=probs.device).index_copy_(1, self._d2t, probs)
+        probs = on_target_vocabulary(torch.stack(rows), self.target.vocab_size, self._d2t)
         return Draft(tokens=draft_tokens, probs=probs.cpu())
 
 

@@ -11,7 +11,8 @@ with `fc`, `hidden_norm`, `layers.*`, `norm`), which vLLM (`method: "dflash"`) a
   differ from ours (sliding-attention layers with a 2048 window, rope theta 500000,
   bos/eos/pad ids of its own model), so every field is written explicitly. It always
   drafts over the target's full vocabulary: a reduced draft vocabulary is dropped (the
-  draft head is the target's frozen head either way, so the weights are unchanged).
+  draft head is the target's frozen head either way, so no weight changes, but the
+  drafts may: tokens outside the draft vocabulary, never trained as labels, can win).
   Layer ids: it reads hidden_states[i + 1] for `target_layer_ids` i, like us.
 * `speculators` (vLLM reads it too): `speculators_model_type: "dflash"`, the layer config
   under `transformer_layer_config`, and `aux_hidden_state_layer_ids` = our
@@ -228,7 +229,7 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
         head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
         vocab_size=vocab, num_target_layers=num_target_layers, target_layer_ids=list(target_layer_ids),
         mask_token_id=int(mask_token_id), block_size=int(block_size), rms_norm_eps=float(layer["rms_norm_eps"]),
-        rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta")),
+        rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or _missing("rope_theta", source)),
         max_position_embeddings=int(layer.get("max_position_embeddings", 32768)), target=fingerprint,
         draft_vocab_size=draft_vocab_size)
     model = DFlashDraftModel(config)
@@ -239,6 +240,10 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
                                    f"unexpected: {sorted(unexpected)[:5]})")
     model.save_pretrained(output, dtype=next(t.dtype for t in tensors.values() if t.is_floating_point()))
     return Path(output)
+
+
+def _missing(name: str, source) -> float:
+    raise DrafterMismatchError(f"{source}: the config has no `{name}`")
 
 
 def _download(repo_id: str) -> Path:

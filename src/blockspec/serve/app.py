@@ -1,11 +1,13 @@
 """`blockspec serve`: an OpenAI-compatible HTTP server over one SpecDecoder.
 
-One worker thread owns the model and runs requests one at a time, in arrival order,
-from a bounded queue (full: HTTP 429); the HTTP side (FastAPI + uvicorn) only
-validates, queues and relays. Each request's chunks go back through an asyncio
-queue, so a streaming client sees text as soon as the engine commits it. A client
-that disconnects, or a request past its deadline, is cancelled between two engine
-steps and frees the worker at once.
+One worker thread owns the model. Running requests decode TOGETHER (batched
+speculative decoding: one target pass per step for all of them, new ones admitted
+between steps); requests beyond the batch wait in a bounded queue (full: HTTP 429).
+Targets with sliding-window layers fall back to one request at a time. The HTTP side
+(FastAPI + uvicorn) only validates, tokenizes, queues and relays. Each request's
+chunks go back through an asyncio queue, so a streaming client sees text as soon as
+the engine commits it. A client that disconnects, or a request past its deadline, is
+cancelled between two engine steps and frees its slot at once.
 
 Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`):
 400 for a bad request (malformed JSON, a known field with a wrong type or value,
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -182,6 +185,7 @@ class Metrics:
 @dataclass
 class Job:
     prompt: object  # text, or chat messages
+    prompt_ids: list[int]  # tokenized once, on the HTTP side
     raw: bool
     options: dict
     loop: asyncio.AbstractEventLoop
@@ -206,8 +210,8 @@ class Worker(threading.Thread):
         if max_batch > 1:
             try:
                 self.batched = BatchedSpecEngine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
-            except BlockspecError:
-                self.batched = None
+            except BlockspecError as why:
+                print(f"blockspec serve: requests will decode one at a time ({why})", flush=True)
 
     def submit(self, job: Job) -> None:
         try:
@@ -217,7 +221,17 @@ class Worker(threading.Thread):
                            kind="rate_limit_error") from None
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        while True:  # make room for the stop marker: queued jobs are answered 503
+            try:
+                self.jobs.put_nowait(None)
+                return
+            except queue.Full:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    continue
+                if job is not None:
+                    self._send(job, ("error", ApiError(503, "the server is shutting down", kind="server_error")))
 
     def run(self) -> None:
         if self.batched is not None:
@@ -227,7 +241,10 @@ class Worker(threading.Thread):
             self._run(job)
 
     def _send(self, job: Job, event) -> None:
-        job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -267,27 +284,30 @@ class Worker(threading.Thread):
                 except queue.Empty:
                     break
             if None in arrived:
+                for job in arrived + [entry.job for entry in running]:
+                    if job is not None:
+                        self._send(job, ("error", ApiError(503, "the server is shutting down", kind="server_error")))
                 return
-            for job in arrived:
-                entry = self._admit(job)
-                if entry is not None:
-                    running.append(entry)
-            now = time.monotonic()
-            for entry in running:
-                if entry.job.cancelled.is_set():
-                    entry.row.cancelled = True
-                elif now > entry.job.deadline and not entry.row.cancelled:
-                    entry.timed_out = entry.row.cancelled = True
-            running = [entry for entry in running if not entry.done]
             try:
-                self.batched.step()
-            except Exception as error:  # a failed step fails its jobs, never the server
+                for job in arrived:
+                    entry = self._admit(job)
+                    if entry is not None:
+                        running.append(entry)
+                now = time.monotonic()
                 for entry in running:
-                    self._send(entry.job, ("error", ApiError(500, f"internal error: {type(error).__name__}: "
-                                                                  f"{error}", kind="server_error")))
-                    entry.row.cancelled = True
-                self.batched.rows_cancelled()
-                self.batched.waiting.clear()
+                    if entry.job.cancelled.is_set():
+                        entry.row.cancelled = True
+                    elif now > entry.job.deadline and not entry.row.cancelled:
+                        entry.timed_out = entry.row.cancelled = True
+                running = [entry for entry in running if not entry.done]
+                self.batched.step()
+            except Exception as error:  # a failed step fails the jobs in it, never the server
+                for entry in running:
+                    if not entry.done:
+                        entry.failed = entry.done = True
+                        self._send(entry.job, ("error", ApiError(500, f"internal error: {type(error).__name__}: "
+                                                                      f"{error}", kind="server_error")))
+                self.batched.reset()
                 running = []
 
     def _admit(self, job: Job):
@@ -297,21 +317,23 @@ class Worker(threading.Thread):
             self._send(job, ("error", ApiError(504, "the request timed out in the queue", kind="timeout")))
             return None
         target = self.decoder.target
-        options = dict(job.options)
+        options = job.options
         try:
             params = SamplingParams(temperature=options["temperature"], top_p=options["top_p"], top_k=options["top_k"],
                                     seed=options.get("seed"))
-            prompt_ids = target.encode_prompt(job.prompt, raw=job.raw)
             entry = _Running(job, TextStream(target, [s for s in options["stop"] if s], set(target.eos_token_ids)),
-                             [] if options.get("logprobs") is not None else None, len(prompt_ids))
-            entry.row = self.batched.add(prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
+                             [] if options.get("logprobs") is not None else None, len(job.prompt_ids))
+            entry.row = self.batched.add(job.prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
                                          on_chunk=lambda chunk: self._on_chunk(entry, chunk),
                                          on_done=lambda stats: self._on_done(entry, stats),
                                          logprobs=entry.logprobs, top_logprobs=options.get("logprobs") or 0)
             return entry
         except BlockspecError as error:
             self._send(job, ("error", ApiError(400, str(error))))
-            return None
+        except Exception as error:
+            self._send(job, ("error", ApiError(500, f"internal error: {type(error).__name__}: {error}",
+                                               kind="server_error")))
+        return None
 
     def _on_chunk(self, entry: "_Running", chunk: list[int]) -> None:
         if entry.job.cancelled.is_set() or entry.text.stopped:
@@ -323,8 +345,14 @@ class Worker(threading.Thread):
             entry.row.cancelled = True  # a stop string: leave the batch at the next step
 
     def _on_done(self, entry: "_Running", stats) -> None:
+        if entry.failed:
+            return
         entry.done = True
         if entry.job.cancelled.is_set():
+            return
+        if entry.row is not None and entry.row.error is not None:
+            self._send(entry.job, ("error", ApiError(500, f"internal error: {type(entry.row.error).__name__}: "
+                                                          f"{entry.row.error}", kind="server_error")))
             return
         if entry.timed_out:
             self._send(entry.job, ("error", ApiError(504, "the request timed out", kind="timeout")))
@@ -347,6 +375,7 @@ class _Running:
     row: object = None
     timed_out: bool = False
     done: bool = False
+    failed: bool = False
 
 
 # --- the app -------------------------------------------------------------------------
@@ -398,12 +427,14 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
     async def _auth(request: Request, call_next):
         if config.api_key and request.url.path != "/health":
             header = request.headers.get("authorization", "")
-            if header != f"Bearer {config.api_key}":
+            if not secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
                 return fail(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
         return await call_next(request)
 
     @app.get("/health")
     async def health():
+        if not worker.is_alive():
+            return JSONResponse({"status": "worker stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -437,29 +468,45 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
             raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
         try:
             prompt_ids = target.encode_prompt(prompt, raw=raw)
-        except BlockspecError as error:
-            raise ApiError(400, str(error)) from None
+        except Exception as error:  # a chat template can reject a conversation (roles, system turns, ...)
+            raise ApiError(400, f"cannot build the prompt: {error}", "messages" if chat else "prompt") from None
         options = check(request, len(prompt_ids))
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + config.request_timeout_s
+        if worker.jobs.maxsize - worker.jobs.qsize() < request.n:  # all n choices are queued, or none
+            raise ApiError(429, "the server is busy: too many queued requests, retry later", kind="rate_limit_error")
         jobs = []
-        for index in range(request.n):
-            seed = None if request.seed is None else request.seed + index
-            job = Job(prompt, raw, dict(options, seed=seed, logprobs=logprobs), loop, asyncio.Queue(), deadline)
-            worker.submit(job)
-            jobs.append(job)
+        try:
+            for index in range(request.n):
+                seed = None if request.seed is None else request.seed + index
+                job = Job(prompt, prompt_ids, raw, dict(options, seed=seed, logprobs=logprobs), loop, asyncio.Queue(),
+                          deadline)
+                worker.submit(job)
+                jobs.append(job)
+        except ApiError:
+            for job in jobs:
+                job.cancelled.set()
+            raise
         return jobs, len(prompt_ids)
 
-    async def collect(job: Job, http: Request):
-        """Wait for a job's end; cancel it if the client goes away."""
+    async def next_event(job: Job, http: Request):
+        """The job's next event; cancels it if the client goes away, and never waits past
+        the deadline (plus a grace for the worker to answer) even if the worker died."""
         while True:
             try:
-                kind, payload = await asyncio.wait_for(job.events.get(), timeout=1.0)
+                return await asyncio.wait_for(job.events.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     job.cancelled.set()
-                    raise ApiError(499, "client disconnected")
-                continue
+                    raise ApiError(499, "client disconnected") from None
+                if time.monotonic() > job.deadline + 30 or not worker.is_alive():
+                    job.cancelled.set()
+                    raise ApiError(504, "the request timed out", kind="timeout") from None
+
+    async def collect(job: Job, http: Request):
+        """Wait for a job's end."""
+        while True:
+            kind, payload = await next_event(job, http)
             if kind == "error":
                 raise payload
             if kind == "done":
@@ -522,11 +569,11 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
                         yield chunk(index, None, None, role=True)
                     while True:
                         try:
-                            kind_, payload = await asyncio.wait_for(job.events.get(), timeout=1.0)
-                        except asyncio.TimeoutError:
-                            if await http.is_disconnected():
-                                raise asyncio.CancelledError from None
-                            continue
+                            kind_, payload = await next_event(job, http)
+                        except ApiError as error:
+                            if error.status == 499:
+                                return
+                            kind_, payload = "error", error
                         if kind_ == "text":
                             yield chunk(index, payload, None)
                         elif kind_ == "done":
@@ -552,7 +599,10 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, http: Request):
-        prompt = request.prompt if isinstance(request.prompt, str) else "".join(request.prompt)
+        if isinstance(request.prompt, list) and len(request.prompt) != 1:
+            raise ApiError(400, "prompt as a list must hold exactly one string (send one request per prompt)",
+                           "prompt")
+        prompt = request.prompt if isinstance(request.prompt, str) else request.prompt[0]
         top = request.logprobs
         jobs, prompt_tokens = await generate(request, prompt, True, top, http, chat=False)
         if request.stream:

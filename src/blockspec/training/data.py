@@ -161,8 +161,9 @@ def build_dataset(target, config: DataConfig) -> Path:
         if not prompts:
             raise InvalidArgumentError("no prompts: pass --prompts or --synthesize N")
         random.Random(config.seed).shuffle(prompts)
-        write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        # meta.json first: prompts.jsonl is what marks a started run, so it must come last
         write_text(output / "meta.json", json.dumps({"config": asdict(config), "target": target.fingerprint()}, indent=2))
+        write_text(prompts_file, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     num_shards = (len(prompts) + config.shard_size - 1) // config.shard_size
     todo = [i for i in range(num_shards) if not (output / f"shard-{i:05d}.jsonl").exists()]
     generator = torch.Generator(device=target.device).manual_seed(config.seed)

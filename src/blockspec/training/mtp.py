@@ -42,15 +42,14 @@ class MTPTrainer(DFlashTrainer):
                 following = sequence[t + 1:t + steps + 2]  # x[t+1] (the target's own) .. x[t+K+1]
                 tokens.append(F.pad(following, (0, steps + 1 - following.numel()), value=IGNORE))
         device, dtype = self.target.device, next(self.model.parameters()).dtype
-        if not hiddens:  # no response position to learn from in this batch
-            zero = sum(p.sum() for p in self.model.parameters()) * 0.0
-            return zero, {"loss": 0.0, "acc": 0.0}
-        hidden = torch.stack(hiddens).to(device, dtype)
-        tokens = torch.stack(tokens).to(device)
         weight_sum = torch.zeros((), device=device)
-        total = torch.zeros((), device=device)
+        # every parameter takes part in the graph even when this rank has nothing to learn
+        # from, so that the ranks reduce the same gradients
+        total = sum(p.sum() for p in self.model.parameters()) * 0.0
         correct = counted = 0
-        for k in range(1, steps + 1):
+        hidden = torch.stack(hiddens).to(device, dtype) if hiddens else None
+        tokens = torch.stack(tokens).to(device) if tokens else None
+        for k in range(1, steps + 1 if hiddens else 1):
             inputs, labels = tokens[:, k - 1], tokens[:, k]
             alive = inputs != IGNORE
             if not bool(alive.any()):
@@ -69,7 +68,7 @@ class MTPTrainer(DFlashTrainer):
             with torch.no_grad():
                 correct += int((logits.argmax(-1) == mapped[valid]).sum())
                 counted += int(valid.sum())
-        if self.world_size > 1:
+        if self.world_size > 1:  # every rank calls this, whatever its batch held
             import torch.distributed as dist
 
             weight_sum = weight_sum.detach().clone()

@@ -248,9 +248,12 @@ class DFlashTrainer:
             import torch.distributed as dist
 
             for parameter in self.model.parameters():
-                if parameter.grad is not None:
-                    dist.all_reduce(parameter.grad)
-                    parameter.grad /= self.world_size
+                if not parameter.requires_grad:
+                    continue
+                if parameter.grad is None:  # every rank must reduce the same tensors
+                    parameter.grad = torch.zeros_like(parameter)
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= self.world_size
 
     def _warm_start(self, folder: str) -> None:
         try:
