@@ -182,3 +182,15 @@ def test_shipped_drafter_drafts_the_same_block_in_transformers(tmp_path):
         head = target.lm_head.weight  # transformers drafts over the full vocabulary
         assert torch.equal((mine[0, 1:] @ head.T).argmax(-1), (reference[0, 1:] @ head.T).argmax(-1))
     torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-3)
+
+
+def test_an_absolute_id_map_is_refused_with_a_clear_message(target, tmp_path):
+    from safetensors.torch import save_file
+
+    random_drafter(target, draft_vocab_size=40).save_pretrained(tmp_path / "native")
+    tensors = load_file(tmp_path / "native" / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + torch.arange(40)  # absolute ids, as checkpoints before 0.1 stored them
+    tensors["d2t"][-1] = target.vocab_size + 5  # and one beyond the vocabulary
+    save_file(tensors, tmp_path / "native" / "model.safetensors")
+    with pytest.raises(DrafterMismatchError, match="offsets"):
+        DFlashDraftModel.from_pretrained(tmp_path / "native")

@@ -137,6 +137,7 @@ BAD_REQUESTS = [
     ("empty prompt", None, {"model": MODEL, "prompt": ""}),
     ("over-long prompt", None, {"model": MODEL, "prompt": "word " * 9000}),
     ("missing prompt", None, {"model": MODEL}),
+    ("several prompts in one request", None, {"model": MODEL, "prompt": ["a", "b"]}),
 ]
 
 
