@@ -157,3 +157,27 @@ def test_mtp_overfit_gate_and_checkpoint_round_trip(tmp_path):
                                                                stop_token_ids=(-1,), stats=stats) for t in c]
     assert out == record["response_ids"][:40]
     assert stats.tau >= 6.0, stats.accept_hist
+
+
+def test_draft_model_overfit_gate_and_loading_as_model_folder(tmp_path):
+    from blockspec.training.draft_model import DraftModelTrainer
+
+    target = tiny_target("llama")
+    record = one_record(target)
+    trainer = DraftModelTrainer(small_config(tmp_path, epochs=150, method="draft-model", num_layers=2, lr=3e-3),
+                                target, records=[record])
+    trainer.run()
+    drafter = trainer.make_drafter()
+    stats = GenerationStats(8)
+    out = [t for c in SpecEngine(target, drafter, 8).generate(record["prompt_ids"], max_new_tokens=40,
+                                                               stop_token_ids=(-1,), stats=stats) for t in c]
+    assert out == record["response_ids"][:40]
+    assert stats.tau >= 6.0, stats.accept_hist
+    # the saved folder is an ordinary transformers model: `model:FOLDER` loads it as a drafter
+    from blockspec.training.draft_model import DraftLM
+
+    reloaded = DraftLM.from_pretrained(tmp_path / "run" / "final")
+    for (name, a), (_, b) in zip(trainer.model.lm.state_dict().items(), reloaded.lm.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(InvalidArgumentError, match="draft_vocab_size"):
+        DraftModelTrainer(small_config(tmp_path / "x", method="draft-model", draft_vocab_size=10), target, [record])

@@ -272,11 +272,12 @@ def _data(args) -> int:
 def _train(args) -> int:
     from blockspec.targets.loading import load_target
     from blockspec.training.config import TrainConfig, load_config
+    from blockspec.training.draft_model import DraftModelTrainer
     from blockspec.training.mtp import MTPTrainer
     from blockspec.training.trainer import DFlashTrainer
 
     config = load_config(TrainConfig, args.config, args.overrides)
-    trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer}
+    trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "draft-model": DraftModelTrainer}
     if config.method not in trainers:
         raise BlockspecError(f"unknown training method {config.method!r}: one of {', '.join(trainers)}")
     if not config.data:

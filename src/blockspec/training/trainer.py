@@ -186,13 +186,18 @@ class DFlashTrainer:
             self._warm_start(config.init_from)
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
-        if config.draft_vocab_size:
+        self._head = None
+        if not hasattr(self.model, "head"):  # a model with its own head (an independent draft LM)
+            if config.draft_vocab_size:
+                raise InvalidArgumentError(f"draft_vocab_size does not apply to --method {config.method}")
+        elif config.draft_vocab_size:
             self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
-        self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
-        if config.draft_vocab_size:
-            self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
+        if hasattr(self.model, "head"):
+            self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
+            if config.draft_vocab_size:
+                self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.ddp_model = self.model
