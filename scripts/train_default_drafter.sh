@@ -32,8 +32,8 @@ if [ ! -f runs/dflash2-smollm2/final/model.safetensors ]; then
   $BS train $RESUME --target default --data runs/data2-smollm2,runs/data-smollm2 --output runs/dflash2-smollm2 \
       --init-from runs/dflash-smollm2/final \
       --num-layers 2 --target-layer-ids 1,8,15,22,27 --block-size 16 --draft-vocab-size 8192 \
-      --num-anchors 24 --batch-size 4 --lr 1e-3 --warmup-ratio 0.02 --epochs 3 --max-length 1024 \
-      --eval-every 300 --eval-prompts 6 --eval-max-new-tokens 64 --save-every 50 --seed 0
+      --num-anchors 24 --batch-size 4 --lr 1e-3 --warmup-ratio 0.02 --epochs 2 --max-length 1024 \
+      --eval-every 200 --eval-prompts 6 --eval-max-new-tokens 64 --save-every 50 --seed 0
 fi
 
 .venv/bin/python scripts/ship_drafter.py runs/dflash2-smollm2/final \
