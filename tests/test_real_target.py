@@ -178,3 +178,20 @@ def test_cli_diffusion_mode_says_it_is_lossy():
     out = json.loads(proc.stdout)
     assert out["mode"] == "diffusion" and out["stats"]["lossless"] is False
     assert 0 <= out["stats"]["agreement_with_target"] <= 1 and len(out["token_ids"]) <= 24
+
+
+def test_offline_batch_equals_one_by_one(target, tmp_path):
+    decoder = SpecDecoder(target, load_drafter("auto", target), 8)
+    prompts = [PROMPTS[0], PROMPTS[1], [{"role": "user", "content": "Say hello in French."}]]
+    batch = decoder.generate(prompts, max_new_tokens=24, stop=["\n\n"])
+    assert isinstance(batch, list) and len(batch) == 3
+    for prompt, result in zip(prompts, batch):
+        alone = decoder.generate(prompt, max_new_tokens=24, stop=["\n\n"])
+        assert result.token_ids == alone.token_ids and result.text == alone.text
+        assert result.finish_reason == alone.finish_reason
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    proc = cli("generate", "--input", str(path), "--max-new-tokens", "12", "--output", str(tmp_path / "out.jsonl"))
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and all(r["token_ids"] for r in rows)
+    assert "prompts" in proc.stderr

@@ -34,7 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("prompt", help="the prompt (instruct targets get their chat template unless --raw)")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt (instruct targets get their chat template unless --raw)")
+    gen.add_argument("--input", default=None, metavar="PROMPTS.jsonl",
+                     help="offline batch: one prompt per line (prompt/question/messages), decoded together; "
+                          "one JSON result per line on stdout (or --output)")
+    gen.add_argument("--output", default=None, help="with --input: write the JSONL results here")
+    gen.add_argument("--max-batch", type=_positive_int, default=8, help="with --input: prompts decoded together")
     gen.add_argument("--target", default="default", help="'default', a model folder, a .gguf file or a hub id")
     gen.add_argument("--drafter", default="auto",
                      help="'auto' (the shipped drafter, else prompt lookup), 'none', 'prompt-lookup' or a drafter folder")
@@ -176,16 +182,22 @@ def _generate(args) -> int:
         raise blockspec.InvalidArgumentError(f"block size must be >= 1, got {args.block_size}")
     if args.max_new_tokens < 1:
         raise blockspec.InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.prompt.strip():
+    if (args.prompt is None) == (args.input is None):
+        raise blockspec.InvalidArgumentError("give a prompt, or --input PROMPTS.jsonl (not both)")
+    if args.prompt is not None and not args.prompt.strip():
         raise blockspec.InvalidArgumentError("the prompt is empty")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.mode == "diffusion":
+        if args.input is not None:
+            raise blockspec.InvalidArgumentError("diffusion mode takes one prompt, not --input")
         return _generate_diffusion(args, params)
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
                              context_window=args.context_window, force_drafter=args.force_drafter)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw)
+    if args.input is not None:
+        return _generate_offline_batch(decoder, args, options)
     if args.json:
         result = decoder.generate(args.prompt, **options)
         print(json.dumps(result.as_dict()))
@@ -202,6 +214,30 @@ def _generate(args) -> int:
     print(f"{result.stats.summary()} drafter={drafter} block={decoder.block_size} target={decoder.target.name}")
     if args.compare and decoder.drafter is not None:
         _compare_with_plain_loop(decoder, args.prompt, options, result)
+    return 0
+
+
+def _generate_offline_batch(decoder, args, options) -> int:
+    import time
+
+    from blockspec.training.data import read_prompts
+
+    prompts = read_prompts(args.input)
+    if not prompts:
+        raise BlockspecError(f"{args.input} holds no prompts")
+    started = time.perf_counter()
+    results = decoder.generate_batch(prompts, max_batch=args.max_batch, **options)
+    wall = time.perf_counter() - started
+    lines = "".join(json.dumps({"index": i, **r.as_dict()}) + "\n" for i, r in enumerate(results))
+    if args.output:
+        from blockspec.atomic import write_text
+
+        write_text(args.output, lines)
+    else:
+        print(lines, end="")
+    tokens = sum(len(r.token_ids) for r in results)
+    print(f"[{len(results)} prompts, {tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s, "
+          f"up to {args.max_batch} decoded together]", file=sys.stderr)
     return 0
 
 

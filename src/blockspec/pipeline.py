@@ -44,12 +44,60 @@ class SpecDecoder:
     def block_size(self) -> int:
         return self.engine.block_size
 
-    def generate(self, prompt, **options) -> GenerationResult:
-        """Generate from a prompt (a string, or a list of chat messages)."""
+    def generate(self, prompt, **options):
+        """Generate from a prompt (a string, or a list of chat messages) -> GenerationResult.
+        A list of prompts (strings or message lists) decodes them as a batch -> a list of
+        results, in order (see `generate_batch`)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return self.generate_batch(prompt, **options)
         stream = self._run(prompt, **options)
         for _ in stream:
             pass
         return self._result
+
+    def generate_batch(self, prompts: list, *, max_batch: int = 8, max_new_tokens: int = 128,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       stop: list[str] | None = None, raw: bool = False) -> list[GenerationResult]:
+        """Decode many prompts together: up to `max_batch` at once, one target pass per step
+        for all of them (batched speculative decoding), the next prompt joining as soon as
+        one ends. Prompt i samples with seed + i. Targets with sliding-window layers decode
+        the prompts one after the other instead. Same outputs as `generate` one by one (at
+        T=0 up to the float rounding a batched pass can move)."""
+        from blockspec.decoding.batched_spec import BatchedSpecEngine
+        from blockspec.errors import BlockspecError
+
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                       raw=raw)
+        seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        try:
+            engine = BatchedSpecEngine(self.target, self.drafter, self.block_size, max_batch)
+        except BlockspecError:
+            return [self.generate(p, seed=s, **options) for p, s in zip(prompts, seeds)]
+        stops = [s for s in (stop or []) if s]
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        rows = {}
+        for index, (prompt, prompt_seed) in enumerate(zip(prompts, seeds)):
+            if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
+                raise InvalidArgumentError(f"prompt {index} is empty")
+            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=prompt_seed)
+            prompt_ids = self.target.encode_prompt(prompt, raw=raw)
+            text = TextStream(self.target, stops, set(self.target.eos_token_ids))
+
+            def on_chunk(chunk, text=text, index=index):
+                if not text.stopped:
+                    text.feed(chunk)
+                    if text.stopped:
+                        rows[index].cancelled = True  # a stop string: leave the batch
+
+            def on_done(stats, text=text, index=index, prompt_len=len(prompt_ids)):
+                text.flush()
+                stats.new_tokens = len(text.tokens)
+                results[index] = text.result(stats, prompt_len, None)
+
+            rows[index] = engine.add(prompt_ids, max_new_tokens=max_new_tokens, params=params, on_chunk=on_chunk,
+                                     on_done=on_done)
+        engine.run()
+        return results
 
     def stream(self, prompt, **options) -> Iterator[str]:
         """Yield text pieces as tokens are committed; never a partial stop string.

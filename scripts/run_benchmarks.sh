@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The exact commands behind docs/benchmarks.md (default target, shipped drafter, this CPU).
+# Run them one at a time on an otherwise idle machine: never two torch processes at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BS=.venv/bin/blockspec
+DATA=${DATA:-../shared/data}
+
+# T = 0: every method, four datasets, interleaved prompt by prompt (+ costs, roofline, peak memory)
+$BS bench --datasets gsm8k,math500,humaneval,mt_bench --data-dir "$DATA" --limit 4 --max-new-tokens 96 \
+    --methods baseline,prompt-lookup,dflash-b16,dflash-b8,hf-generate,hf-prompt-lookup,hf-dflash-b16,diffusion-b8 \
+    --output runs/bench-t0-v3
+
+# T = 1 (sampling): tau and speedup
+$BS bench --datasets gsm8k --data-dir "$DATA" --limit 4 --max-new-tokens 96 --temperature 1.0 \
+    --methods baseline,prompt-lookup,dflash-b8 --no-memory --output runs/bench-t1-v3
+
+# serving: 1, 2, 4 and 8 concurrent clients, speculative vs the non-speculative batched loop
+$BS bench-serve --data-dir "$DATA" --concurrency 1,2,4,8 --requests 12 --max-new-tokens 64 --output runs/bench-serve
+
+# what the README shows: T=0, 2 prompts per dataset, at most 64 new tokens (must stay under 10 minutes here)
+$BS bench --quick --data-dir "$DATA" --no-memory --output runs/bench-quick
