@@ -50,7 +50,7 @@ def test_every_row_equals_greedy_decoding_alone(arch, kind):
 def test_compaction_keeps_outputs_and_shrinks_the_cache():
     target = tiny_target("llama")
     drafter = make_drafter("dflash", target, PROMPTS[0], None)  # random drafts: most slots become holes
-    engine = BatchedSpecEngine(target, drafter, block_size=8, max_batch=4, adaptive=False)
+    engine = BatchedSpecEngine(target, drafter, block_size=8, max_batch=4, adaptive=False, token_budget=None)
     outputs = [collect(engine, p, 60) for p in PROMPTS]
     widths = []
     while engine.busy:

@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--dataset", default="gsm8k")
     serving.add_argument("--data-dir", default=None)
     serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--token-budget", type=_positive_int, default=8,
+                         help="at most this many query tokens per batched verify pass (drafting shrinks under load)")
     serving.add_argument("--output", default="runs/bench-serve")
     serving.set_defaults(run=_bench_serve)
 
@@ -379,9 +381,11 @@ def _bench_serve(args) -> int:
         raise BlockspecError("bench-serve compares a drafter with the plain batched loop: pass --drafter")
     prompts = [decoder.target.encode_prompt(p.turns[0])
                for p in load_prompts(args.dataset, args.data_dir, args.requests, args.seed)]
-    rows = serving_bench(decoder.target, decoder.drafter, prompts, levels, decoder.block_size, args.max_new_tokens)
+    rows = serving_bench(decoder.target, decoder.drafter, prompts, levels, decoder.block_size, args.max_new_tokens,
+                         args.token_budget)
     meta = {"command": " ".join(sys.argv), "machine": machine_description(), "drafter": decoder.drafter.name,
-            "block_size": decoder.block_size, "requests": len(prompts), "max_new_tokens": args.max_new_tokens}
+            "block_size": decoder.block_size, "requests": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "token_budget": args.token_budget}
     print(report_serving(rows, Path(args.output), meta))
     return 0
 

@@ -101,7 +101,7 @@ def final_answer(text: str) -> str | None:
             index += 1
         if depth == 0:
             return text[begin:index - 1].strip()
-    numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return numbers[-1] if numbers else None
 
 

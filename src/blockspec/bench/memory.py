@@ -2,7 +2,9 @@
 never goes down, so methods measured in one process would hide each other).
 
 `python -m blockspec.bench.memory '{"target": ..., "method": ..., "drafter": ..., ...}'`
-prints one JSON line: the peak RSS after loading the target and after generating.
+prints one JSON line: the resident memory once the target and the method are loaded,
+and the peak while it generates (on Linux the peak is reset after loading, so a
+transient of the loading itself does not hide the generation's).
 """
 
 from __future__ import annotations
@@ -13,8 +15,29 @@ import subprocess
 import sys
 
 
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM, the peak resident set size (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    peak = _status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def measure_in_subprocess(target: str, method: str, drafter: str | None, prompt: str, max_new_tokens: int,
@@ -32,14 +55,19 @@ def main(request: dict) -> dict:
     from blockspec.bench.runner import parse_methods
     from blockspec.targets.loading import load_target
 
+    import gc
+
     target = load_target(request["target"], threads=request.get("threads"))
-    loaded = _peak_mb()
     method = next(m for m in parse_methods(f"baseline,{request['method']}", request.get("drafter"))
                   if m.name == request["method"])
     runner = method.build(target)
+    gc.collect()
+    loaded = _status_mb("VmRSS") or _peak_mb()
+    reset = _reset_peak()
     runner.generate(request["prompt"], max_new_tokens=request["max_new_tokens"])
-    return {"method": method.name, "peak_rss_mb_after_load": round(loaded, 1), "peak_rss_mb": round(_peak_mb(), 1),
-            "added_mb": round(_peak_mb() - loaded, 1)}
+    peak = _peak_mb()
+    return {"method": method.name, "rss_mb_loaded": round(loaded, 1), "peak_rss_mb_generating": round(peak, 1),
+            "added_mb": round(peak - loaded, 1), "peak_reset_after_load": reset}
 
 
 if __name__ == "__main__":

@@ -270,9 +270,9 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
                          f"{line['bytes_per_step_mb']:.0f} MB (weights + KV at {line['context_len']} tokens): plain "
                          f"decoding cannot exceed {line['ceiling_tokens_per_s']:.1f} tokens/s here."]
     if meta.get("peak_memory"):
-        markdown += ["", "| method | peak RSS (MB, own process) | after loading the target | added by the method |",
+        markdown += ["", "| method | RSS once loaded (MB) | peak RSS while generating (MB) | added by generating (MB) |",
                      "|---|---|---|---|"]
-        markdown += [f"| {e.get('method')} | {e.get('peak_rss_mb')} | {e.get('peak_rss_mb_after_load')} | "
+        markdown += [f"| {e.get('method')} | {e.get('rss_mb_loaded')} | {e.get('peak_rss_mb_generating')} | "
                      f"{e.get('added_mb', e.get('error'))} |" for e in meta["peak_memory"]]
     (output / "table.md").write_text("\n".join(markdown) + "\n")
     _plot(rows, output / "bench.png")

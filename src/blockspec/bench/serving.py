@@ -54,11 +54,12 @@ def run_closed_loop(engine: BatchedSpecEngine, prompts: list[list[int]], concurr
 
 
 def serving_bench(target, drafter, prompts: list[list[int]], concurrency_levels: list[int], block_size: int,
-                  max_new_tokens: int) -> list[dict]:
+                  max_new_tokens: int, token_budget: int | None = 8) -> list[dict]:
     rows = []
     for concurrency in tqdm(concurrency_levels, desc="serving bench", unit="level"):
         for name, use_drafter in (("baseline", None), ("speculative", drafter)):
-            engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency)
+            engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency,
+                                       token_budget=token_budget)
             result = run_closed_loop(engine, prompts, concurrency, max_new_tokens)
             result["method"] = name
             rows.append(result)

@@ -57,12 +57,17 @@ PROBE_EVERY = 16
 
 
 class BatchedSpecEngine:
-    def __init__(self, target, drafter=None, block_size: int = 8, max_batch: int = 8, adaptive: bool = True):
+    def __init__(self, target, drafter=None, block_size: int = 8, max_batch: int = 8, adaptive: bool = True,
+                 token_budget: int | None = 8):
+        """`token_budget`: at most this many query tokens per verify pass over the whole batch
+        (anchors included; None: no cap). A verify pass costs more the more tokens it holds,
+        while a plain batched step already amortises the weights over the batch: under load
+        each row drafts less, down to none (plain batched decoding)."""
         if block_size < 1:
             raise InvalidArgumentError(f"block size must be >= 1, got {block_size}")
         self.target, self.drafter = target, drafter
         self.block_size = block_size if drafter is not None else 1
-        self.max_batch, self.adaptive = max_batch, adaptive
+        self.max_batch, self.adaptive, self.token_budget = max_batch, adaptive, token_budget
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         self.rows: list[BatchRow] = []
         self.waiting: list[BatchRow] = []
@@ -174,6 +179,8 @@ class BatchedSpecEngine:
     def _num_drafts(self, row: BatchRow) -> int:
         left = row.max_new_tokens - row.stats.new_tokens - 1
         drafts = min(self.block_size - 1, left)
+        if self.token_budget is not None:  # the batch's share of the verify pass
+            drafts = min(drafts, max(0, self.token_budget // max(1, len(self.rows)) - 1))
         if self.adaptive and row.accept_ema >= 0:
             # draft about twice what this row recently accepted (+1 to keep probing); none when
             # it accepts almost nothing, so a row that does not profit costs a plain decode step,
