@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.engine import committed_tokens, record_logprobs, verify
+from blockspec.decoding.engine import check_request, committed_tokens, record_logprobs, verify
 from blockspec.decoding.sampling import SamplingParams, next_token
 from blockspec.drafters.base import Draft
 from blockspec.decoding.stats import GenerationStats
 from blockspec.errors import InvalidArgumentError
-from blockspec.targets.cache import GrowingLayer, new_cache
+from blockspec.targets.cache import GrowingLayer, new_cache, replace_states
 
 
 @dataclass
@@ -81,16 +81,9 @@ class BatchedSpecEngine:
     def add(self, prompt_ids: list[int], *, max_new_tokens: int, on_chunk, on_done,
             params: SamplingParams = SamplingParams(), stop_token_ids=None, logprobs: list | None = None,
             top_logprobs: int = 0) -> BatchRow:
-        if not prompt_ids:
-            raise InvalidArgumentError("the prompt is empty")
-        if len(prompt_ids) >= self.target.max_context:
-            raise InvalidArgumentError(f"the prompt has {len(prompt_ids)} tokens; the target's context is "
-                                       f"{self.target.max_context}")
-        if max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        stops = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        row = BatchRow(list(prompt_ids), min(max_new_tokens, self.target.max_context - len(prompt_ids)), params,
-                       stops, on_chunk, on_done, logprobs=logprobs, top_logprobs=top_logprobs)
+        max_new_tokens, stops = check_request(self.target, len(prompt_ids), max_new_tokens, stop_token_ids)
+        row = BatchRow(list(prompt_ids), max_new_tokens, params, stops, on_chunk, on_done, logprobs=logprobs,
+                       top_logprobs=top_logprobs)
         self.waiting.append(row)
         return row
 
@@ -161,7 +154,7 @@ class BatchedSpecEngine:
             pad = width - length
             keys = torch.nn.functional.pad(theirs.keys, (0, 0, 0, pad))
             values = torch.nn.functional.pad(theirs.values, (0, 0, 0, pad))
-            _assign(mine, torch.cat([mine.keys, keys], dim=0), torch.cat([mine.values, values], dim=0))
+            replace_states(mine, torch.cat([mine.keys, keys], dim=0), torch.cat([mine.values, values], dim=0))
         row_valid = torch.zeros(1, width, dtype=torch.bool)
         row_valid[0, :length] = True
         self.valid = torch.cat([self.valid, row_valid], dim=0)
@@ -171,7 +164,7 @@ class BatchedSpecEngine:
         if width <= current:
             return
         for layer in self.cache.layers:
-            _assign(layer, torch.nn.functional.pad(layer.keys, (0, 0, 0, width - current)),
+            replace_states(layer, torch.nn.functional.pad(layer.keys, (0, 0, 0, width - current)),
                     torch.nn.functional.pad(layer.values, (0, 0, 0, width - current)))
         self.valid = torch.nn.functional.pad(self.valid, (0, width - current))
 
@@ -294,19 +287,13 @@ class BatchedSpecEngine:
         for layer in self.cache.layers:
             index = order[:, None, :, None].to(layer.keys.device)
             keys, values = layer.keys, layer.values
-            _assign(layer, keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3])),
+            replace_states(layer, keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3])),
                     values.gather(2, index.expand(-1, values.shape[1], -1, values.shape[3])))
         self.valid = torch.arange(width)[None, :] < counts[:, None]
 
     def run(self) -> None:
         while self.busy:
             self.step()
-
-
-def _assign(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Replace a cache layer's keys and values (both computed BEFORE either is assigned:
-    a GrowingLayer's views depend on its length)."""
-    layer.keys, layer.values = keys, values
 
 
 _NO_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.decoding.engine import check_request
 from blockspec.decoding.sampling import SamplingParams, next_token, sample, warp_probs
 from blockspec.errors import InvalidArgumentError
 
@@ -110,15 +111,7 @@ class DiffusionDecoder:
         """Yield committed chunks (one per block) until a stop id or `max_new_tokens`."""
         target, drafter = self.target, self.drafter
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
-        if prompt.numel() == 0:
-            raise InvalidArgumentError("the prompt is empty")
-        if prompt.numel() >= target.max_context:
-            raise InvalidArgumentError(f"the prompt has {prompt.numel()} tokens; the target's context is "
-                                       f"{target.max_context}")
-        if max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        max_new_tokens = min(max_new_tokens, target.max_context - prompt.numel())
-        stop_ids = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        max_new_tokens, stop_ids = check_request(target, prompt.numel(), max_new_tokens, stop_token_ids)
         stats = stats if stats is not None else DiffusionStats(self.block_size)
         generator = None if params.greedy else params.generator()
         layer_ids = drafter.target_layer_ids

@@ -56,16 +56,7 @@ class SpecEngine:
         distribution, [(id, log-probability)] of its `top_logprobs` best tokens)."""
         target, drafter = self.target, self.drafter
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
-        if prompt.numel() == 0:
-            raise InvalidArgumentError("the prompt is empty")
-        if prompt.numel() >= target.max_context:
-            raise InvalidArgumentError(
-                f"the prompt has {prompt.numel()} tokens; the target's context is {target.max_context}"
-            )
-        if max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        max_new_tokens = min(max_new_tokens, target.max_context - prompt.numel())
-        stop_ids = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        max_new_tokens, stop_ids = check_request(target, prompt.numel(), max_new_tokens, stop_token_ids)
         stats = stats if stats is not None else GenerationStats(self.block_size)
         layer_ids = drafter.target_layer_ids if drafter is not None else ()
         generator = None if params.greedy else params.generator()
@@ -115,6 +106,20 @@ class SpecEngine:
             stats.decode_s = finished - first_done
             stats.total_s = finished - started
 
+
+
+def check_request(target, prompt_len: int, max_new_tokens: int, stop_token_ids=None) -> tuple[int, set[int]]:
+    """What every decoding loop checks first: a non-empty prompt that fits the context and
+    a positive budget. Returns the budget clipped to the context, and the stop ids
+    (the target's EOS ids unless given)."""
+    if prompt_len == 0:
+        raise InvalidArgumentError("the prompt is empty")
+    if prompt_len >= target.max_context:
+        raise InvalidArgumentError(f"the prompt has {prompt_len} tokens; the target's context is {target.max_context}")
+    if max_new_tokens < 1:
+        raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stop_ids = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    return min(max_new_tokens, target.max_context - prompt_len), stop_ids
 
 
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator) -> tuple[int, int]:

@@ -20,6 +20,24 @@ from blockspec.atomic import replace_dir
 from blockspec.errors import DrafterMismatchError, DrafterNotFoundError
 
 
+def fit_problems(config, target, check_fingerprint: bool = True) -> list[str]:
+    """What every trained drafter's config must share with its target (empty: it fits)."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
+    if config.num_target_layers != target.num_layers:
+        problems.append(f"num_target_layers {config.num_target_layers} != target's {target.num_layers}")
+    if config.draft_vocab_size and not 0 < config.draft_vocab_size <= target.vocab_size:
+        problems.append(f"draft_vocab_size {config.draft_vocab_size} outside 1..{target.vocab_size}")
+    recorded = config.target.get("tokenizer_sha256")
+    if check_fingerprint and recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
+        problems.append(f"trained for a different tokenizer (target {config.target.get('name')!r}); "
+                        "--force-drafter uses it anyway")
+    return problems
+
+
 class DraftCheckpoint:
     """Mixin for a drafter's nn.Module. Subclasses set `architecture` (the config.json
     `architectures` entry) and `config_class` (with `from_hf_dict` / `to_hf_dict` and

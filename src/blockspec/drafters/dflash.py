@@ -23,7 +23,7 @@ from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
-from blockspec.drafters.checkpoint import DraftCheckpoint
+from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.errors import DrafterMismatchError
 
 
@@ -328,28 +328,16 @@ class DFlashDrafter(Drafter):
 
 def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> None:
     """Raise DrafterMismatchError naming exactly what does not fit `target`."""
-    problems = []
-    if config.hidden_size != target.hidden_size:
-        problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
-    if config.vocab_size != target.vocab_size:
-        problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
+    problems = fit_problems(config, target, check_fingerprint)
     ids = list(config.target_layer_ids)
     if not ids or ids != sorted(set(ids)):
         problems.append(f"target_layer_ids {ids} must be strictly increasing without repeats (serving engines "
                         "capture each layer once, in order)")
-    if config.num_target_layers != target.num_layers:
-        problems.append(f"num_target_layers {config.num_target_layers} != target's {target.num_layers}")
-    if config.draft_vocab_size and not 0 < config.draft_vocab_size <= target.vocab_size:
-        problems.append(f"draft_vocab_size {config.draft_vocab_size} outside 1..{target.vocab_size}")
-    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    bad_ids = [i for i in ids if not 0 <= i < target.num_layers]
     if bad_ids:
         problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")
     if not 0 <= config.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} outside the target's vocabulary")
-    recorded = config.target.get("tokenizer_sha256")
-    if check_fingerprint and recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
-        problems.append(f"trained for a different tokenizer (target {config.target.get('name')!r}); "
-                        "--force-drafter uses it anyway")
     if problems:
         raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
-from blockspec.drafters.checkpoint import DraftCheckpoint
+from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.errors import DrafterMismatchError
 
 
@@ -104,14 +104,7 @@ class MTPDrafter(Drafter):
 
     def __init__(self, model: MTPHeadModel, target, *, force: bool = False):
         config = model.config
-        problems = []
-        if config.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
-        if config.vocab_size != target.vocab_size or config.num_target_layers != target.num_layers:
-            problems.append("vocabulary or layer count differ from the target's")
-        recorded = config.target.get("tokenizer_sha256")
-        if not force and recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
-            problems.append("trained for a different tokenizer; --force-drafter uses it anyway")
+        problems = fit_problems(config, target, check_fingerprint=not force)
         if problems:
             raise DrafterMismatchError("MTP head does not fit the target: " + "; ".join(problems))
         self.model = model.to(device=target.device, dtype=target.dtype).eval()

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.decoding.batched_spec import BatchedSpecEngine
@@ -59,51 +59,16 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
     model: str
-    max_tokens: int | None = Field(default=None)
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_tokens: int | None = Field(default=None, gt=0)
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0: off
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: dict | None = None
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, value):
-        if value < 0:
-            raise ValueError("temperature must be >= 0")
-        return value
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, value):
-        if not 0 < value <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        return value
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value):
-        if value < 0:
-            raise ValueError("top_k must be >= 0 (0: off)")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value):
-        if not 1 <= value <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}")
-        return value
-
-    @field_validator("max_tokens", "max_completion_tokens")
-    @classmethod
-    def _max_tokens(cls, value):
-        if value is not None and value <= 0:
-            raise ValueError("must be > 0")
-        return value
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -113,15 +78,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value):
-        if value is not None and not 0 <= value <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
-        return value
 
 
 class ChatMessage(BaseModel):
@@ -133,14 +91,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top(cls, value):
-        if value is not None and not 0 <= value <= 20:
-            raise ValueError("top_logprobs must be between 0 and 20")
-        return value
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 # --- metrics -------------------------------------------------------------------------

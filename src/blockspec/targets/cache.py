@@ -87,6 +87,12 @@ class GrowingLayer(DynamicLayer):
         self.is_initialized = False
 
 
+def replace_states(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Give a cache layer new keys and values, both computed from the old ones BEFORE this
+    call: a GrowingLayer's `values` view depends on the length its `keys` sets."""
+    layer.keys, layer.values = keys, values
+
+
 def new_cache(config) -> DynamicCache:
     """A `DynamicCache` for `config` whose full-attention layers grow in place."""
     cache = DynamicCache(config=config)
