@@ -203,6 +203,11 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def context_key_value(self, context, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        # a method of the layer (not only of its attention) so that FSDP, which shards
+        # per layer, can gather the layer's weights for it as for `forward`
+        return self.self_attn.key_value(context, cos, sin)
+
     def forward(self, hidden, cos, sin, context_k, context_v, attn_mask=None):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, context_k, context_v, attn_mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -243,7 +248,7 @@ class DFlashDraftModel(DraftCheckpoint, nn.Module):
         """Per layer (K, V) of the fused context: features [b, n, k*H] at `positions` [b, n]."""
         context = self.hidden_norm(self.fc(target_features))
         cos, sin = self.rope(positions, context.dtype)
-        return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
+        return [layer.context_key_value(context, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds, block_positions, context_kv, attn_mask=None) -> torch.Tensor:
         """Hidden states [b, q, H] (after the final norm) for the block embeddings [b, q, H]."""

@@ -54,6 +54,10 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     save_every: int = 50
     threads: int | None = None
+    # under torchrun / accelerate with several processes: "ddp" (replicated drafter,
+    # gradients all-reduced) or "fsdp" (FSDP2: parameters, gradients and optimizer state
+    # sharded across processes, each draft layer its own unit); one process ignores it
+    parallel: str = "ddp"
     # "cpu", "cuda" (under torchrun each rank takes cuda:LOCAL_RANK) or an explicit device
     device: str | None = None
 

@@ -92,9 +92,18 @@ class DraftModelTrainer(DFlashTrainer):
     def build_model(self):
         return draft_lm_for(self.target, self.config.num_layers)
 
-    def make_drafter(self):
-        adapter = TargetAdapter(self.model.lm, self.model.tokenizer, "draft-model")
+    def make_drafter(self, model=None):
+        model = model or self.model
+        adapter = TargetAdapter(model.lm, model.tokenizer, "draft-model")
         return DraftModelDrafter(adapter, self.target)
+
+    def shard(self, model) -> None:
+        """FSDP2 in place: each decoder layer one unit, embedding, norm and head the root's."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.lm.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
 
     def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
         sequences, prompt_lens = zip(*(self._sequence(self.train_records[i]) for i in indices))

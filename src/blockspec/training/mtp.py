@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
+from blockspec.errors import InvalidArgumentError
 from blockspec.training.trainer import IGNORE, DFlashTrainer, sample_anchors
 
 
@@ -26,8 +27,13 @@ class MTPTrainer(DFlashTrainer):
         config.draft_vocab_size = self.config.draft_vocab_size
         return MTPHeadModel(config)
 
-    def make_drafter(self):
-        return MTPDrafter(self.model, self.target)
+    def make_drafter(self, model=None):
+        return MTPDrafter(model or self.model, self.target)
+
+    def shard(self, model) -> None:
+        # one small head called K times per step through several methods: nothing to gain
+        raise InvalidArgumentError("--parallel fsdp trains dflash and draft-model drafters; "
+                                   "the MTP head (one layer) trains with --parallel ddp")
 
     def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
         config = self.config

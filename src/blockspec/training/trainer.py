@@ -1,4 +1,4 @@
-"""The DFlash training recipe (reference section 3), on one CPU or under torchrun/DDP.
+"""The DFlash training recipe (reference section 3), on one CPU or under torchrun (DDP or FSDP).
 
 Per step, per sequence: sample up to `num_anchors` anchors among the response
 tokens (seeded per sample, so runs reproduce whatever the process count). Each
@@ -11,6 +11,7 @@ target's embedding and LM head are borrowed frozen.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -200,13 +201,21 @@ class DFlashTrainer:
                 self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        if config.parallel not in ("ddp", "fsdp"):
+            raise InvalidArgumentError(f"parallel must be ddp or fsdp, got {config.parallel!r}")
         self.ddp_model = self.model
+        # FSDP only: an unsharded copy of the model that rank 0 fills from the shards to
+        # evaluate and save (the drafter is small; its training state is what is sharded)
+        self.replica = None
         if self.world_size > 1:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo" if target.device.type == "cpu" else "nccl")
-            if self.uses_ddp_wrapper:
+            if config.parallel == "fsdp":
+                self.replica = copy.deepcopy(self.model)
+                self.shard(self.model)
+            elif self.uses_ddp_wrapper:
                 self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         if config.batch_size % self.world_size:
@@ -245,11 +254,35 @@ class DFlashTrainer:
             init_from_target_layers(model, target)
         return model
 
-    def make_drafter(self):
-        return DFlashDrafter(self.model, self.target)
+    def make_drafter(self, model=None):
+        return DFlashDrafter(model or self.model, self.target)
+
+    def shard(self, model) -> None:
+        """FSDP2 in place: each draft layer is one unit, the rest (fc, norms) the root's."""
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        for layer in model.layers:
+            fully_shard(layer)
+            # the context K/V are computed outside forward: gather the layer's weights for it too
+            register_fsdp_forward_method(layer, "context_key_value")
+        fully_shard(model)
+        register_fsdp_forward_method(model, "context_key_values")
+
+    def full_model(self):
+        """The model with all its weights: the model itself, or under FSDP the replica filled
+        from the shards (collective: every rank calls it; only rank 0's replica is filled)."""
+        if self.replica is None:
+            return self.model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.replica.load_state_dict(state)
+        return self.replica
 
     def reduce_gradients(self) -> None:
-        if self.world_size > 1 and not self.uses_ddp_wrapper:
+        # FSDP reduce-scatters the gradients itself, DDP all-reduces them in its hooks
+        if self.world_size > 1 and not self.uses_ddp_wrapper and self.replica is None:
             import torch.distributed as dist
 
             for parameter in self.model.parameters():
@@ -373,6 +406,8 @@ class DFlashTrainer:
             dist.all_reduce(summed)
             metrics["loss"] = float(summed)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
@@ -380,11 +415,18 @@ class DFlashTrainer:
         return metrics
 
     # --- evaluation ------------------------------------------------------------------
-    @torch.inference_mode()
-    def evaluate_tau(self) -> float:
-        """Real acceptance length of the current drafter through the engine, held-out prompts."""
-        self.model.eval()
-        engine = SpecEngine(self.target, self.make_drafter(), self.config.block_size)
+    def evaluate_tau(self) -> float | None:
+        """Real acceptance length of the current drafter through the engine, held-out prompts
+        (every rank calls it; rank 0 evaluates, the others get None)."""
+        model = self.full_model()
+        if self.rank != 0:
+            return None
+        with torch.inference_mode():
+            return self._evaluate_tau(model)
+
+    def _evaluate_tau(self, model) -> float:
+        model.eval()
+        engine = SpecEngine(self.target, self.make_drafter(model), self.config.block_size)
         committed = steps = 0
         for record in self.eval_records[: self.config.eval_prompts]:
             stats = GenerationStats(self.config.block_size)
@@ -396,10 +438,21 @@ class DFlashTrainer:
 
     # --- checkpoints -----------------------------------------------------------------
     def save(self, name: str = "latest") -> Path:
-        """Drafter (reference format) + trainer state in one folder, swapped in atomically."""
+        """Drafter (reference format) + trainer state in one folder, swapped in atomically
+        (every rank calls it: under FSDP gathering the shards is collective; rank 0 writes)."""
+        model = self.full_model()
+        if self.replica is None:
+            optimizer_state = self.optimizer.state_dict()
+        else:  # the full state keyed by parameter names, gathered on rank 0
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            optimizer_state = get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return self.output / name
         with replace_dir(self.output / name) as staging:
-            self.model.write_files(staging)
-            torch.save({"step": self.step, "optimizer": self.optimizer.state_dict(),
+            model.write_files(staging)
+            torch.save({"step": self.step, "optimizer": optimizer_state,
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
                         "config": asdict(self.config)}, staging / "trainer_state.pt")
         return self.output / name
@@ -409,9 +462,17 @@ class DFlashTrainer:
         if not (folder / "trainer_state.pt").exists():
             return False
         restored = type(self.model).from_pretrained(folder)
-        self.model.load_state_dict(restored.state_dict())
         state = torch.load(folder / "trainer_state.pt", weights_only=True)  # tensors and plain types only
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.replica is None:
+            self.model.load_state_dict(restored.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # every rank reads the full state and keeps its shard of it
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, restored.state_dict(), options=full)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=full)
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step = state["step"]
@@ -435,20 +496,21 @@ class DFlashTrainer:
         started = time.perf_counter()
         while self.step < last_steps:
             metrics = self.train_step()
-            if is_main and config.eval_every and (self.step % config.eval_every == 0 or self.step == last_steps):
-                metrics["tau"] = self.evaluate_tau()
+            if config.eval_every and (self.step % config.eval_every == 0 or self.step == last_steps):
+                tau = self.evaluate_tau()
+                if tau is not None:
+                    metrics["tau"] = tau
             if is_main:
                 history.append(metrics)
                 write_text(log_path, "".join(json.dumps(row) + "\n" for row in history))
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}",
                                 **({"tau": f"{metrics['tau']:.2f}"} if "tau" in metrics else {}))
-                if self.step % config.save_every == 0 or self.step == last_steps:
-                    self.save()
+            if self.step % config.save_every == 0 or self.step == last_steps:
+                self.save()
             bar.update(1)
         bar.close()
-        final = self.output / "final"
+        final = self.save("final")
         if is_main:
-            self.save("final")
             plot_metrics(history, self.output / "metrics.png")
             taus = [h["tau"] for h in history if "tau" in h]
             print(f"trained {self.step} steps in {time.perf_counter() - started:.0f} s; "
