@@ -112,3 +112,65 @@ def test_serving_bench_closed_loop_counts_every_token(tmp_path):
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
     report_serving(rows, tmp_path, {})
     assert (tmp_path / "serving.png").stat().st_size > 0 and "speculative" in (tmp_path / "serving.md").read_text()
+
+
+def test_mode_chooser_tries_both_then_runs_the_faster_and_re_tries_the_other():
+    from blockspec.decoding.batched_spec import ModeChooser
+
+    chooser = ModeChooser(warmup=2, explore_every=4)
+    seconds = {True: 2.0, False: 1.0}  # plain steps are twice as fast at batch 4
+    picks = []
+    for _ in range(20):
+        drafting = chooser.choose(4)
+        picks.append(drafting)
+        chooser.record(4, drafting, tokens=10, seconds=seconds[drafting])
+    assert picks[:4] == [True, True, False, False]  # warm-up: each mode twice
+    exploit = picks[4:]
+    assert exploit.count(True) == sum(1 for step in range(5, 21) if step % 4 == 0)  # only the re-tries
+    assert chooser.choose(1) is True  # another batch size is measured on its own
+
+
+class ScriptedChooser:
+    """Drafting on the first step and from step `resume` on, plain in between (records nothing)."""
+
+    def __init__(self, resume):
+        self.resume, self.step = resume, 0
+
+    def choose(self, batch):
+        self.step += 1
+        return self.step == 1 or self.step >= self.resume
+
+    def record(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "draft-model", "oracle"])
+def test_plain_steps_defer_the_drafter_and_outputs_stay_greedy(kind):
+    target = tiny_target("llama")
+    references = [hf_greedy(target.model, p, 30, EOS) for p in PROMPTS]
+    drafter = make_drafter(kind, target, PROMPTS[1], references[1])
+    calls = {"accept": 0, "propose": 0}
+    originals = type(drafter).accept, type(drafter).propose
+
+    class Spy(type(drafter)):
+        def accept(self, *args):
+            calls["accept"] += 1
+            return originals[0](self, *args)
+
+        def propose(self, *args):
+            calls["propose"] += 1
+            return originals[1](self, *args)
+
+    drafter.__class__ = Spy
+    engine = BatchedSpecEngine(target, drafter, block_size=5, max_batch=4,
+                               mode_chooser=ScriptedChooser(resume=20))
+    outputs = [collect(engine, p, 30) for p in PROMPTS]
+    for _ in range(8):  # one drafting step, then plain ones: the drafters are not called
+        engine.step()
+    proposals_after_first_step = calls["propose"]
+    assert calls["accept"] == 0 and proposals_after_first_step <= len(PROMPTS)
+    engine.run()  # drafting again from step 20 (rows that accepted nothing re-probe after 16 idle steps)
+    assert calls["propose"] > proposals_after_first_step
+    assert calls["accept"] <= calls["propose"]  # one catch-up per drafting row at most
+    for prompt, out, reference in zip(PROMPTS, outputs, references):
+        assert_same_or_near_tie(target.model, prompt, out["tokens"], reference)

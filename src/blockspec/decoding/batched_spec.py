@@ -7,9 +7,15 @@ axis and a per-row mask of valid slots instead: a step appends the same number o
 to every row; afterwards only a row's anchor and accepted drafts stay valid, the rest
 become holes that the mask hides (keys are rotated at their own positions when written,
 so where a slot sits does not matter). When holes pile up the cache is compacted. Each
-row drafts on its own (a drafter's state is per sequence, and drafting is the cheap
-part); the expensive target pass is shared. The number of drafts adapts per row to its
-recent acceptance, down to none (plain decoding) when drafting stops paying.
+row drafts on its own (a drafter's state is per sequence); the target pass is shared.
+
+When drafting pays is decided twice. Per row, the number of drafts follows its recent
+acceptance, down to none. Per batch size, `ModeChooser` measures the tokens/s of steps
+with drafting and of plain steps (no row drafts) and runs the faster, re-trying the
+other now and then: on a CPU a verify pass over many rows x tokens costs more, and
+drafting row by row adds up, so at high load plain batched decoding can win. A row's
+drafter state is only brought up to date when it drafts next (the committed tokens and
+their features wait), so plain steps cost what the non-speculative engine costs.
 
 Only full-attention targets (no sliding-window layers): those are rejected up front.
 At T=0 every row equals the single-sequence engine's output up to the float rounding a
@@ -48,6 +54,10 @@ class BatchRow:
     top_logprobs: int = 0
     accept_ema: float = -1.0  # recent accepted drafts per step (-1: no history yet)
     idle_steps: int = 0  # steps since this row last drafted
+    # committed since the drafter last saw the sequence (ids, features): it catches up, in one
+    # call, only when it drafts next, so plain steps cost no drafter work
+    unseen_ids: list = None
+    unseen_features: list = None
     cancelled: bool = False
     error: Exception | None = None  # set when this row failed on its own (e.g. its prefill)
     decode_started: float = 0.0
@@ -56,18 +66,53 @@ class BatchRow:
 PROBE_EVERY = 16
 
 
+class ModeChooser:
+    """Per batch size: drafting or plain steps, whichever measured more tokens/s.
+
+    Each mode is tried `warmup` times at a batch size before comparing; then the faster
+    runs, and the slower is re-tried every `explore_every` steps at that size (acceptance
+    and the machine drift). Rates are exponential moving averages."""
+
+    def __init__(self, warmup: int = 3, explore_every: int = 16, smoothing: float = 0.3):
+        self.warmup, self.explore_every, self.smoothing = warmup, explore_every, smoothing
+        self.rates: dict[int, dict[bool, float]] = {}  # batch size -> {drafting: tokens/s}
+        self.samples: dict[int, dict[bool, int]] = {}
+        self.steps: dict[int, int] = {}
+
+    def choose(self, batch: int) -> bool:
+        """True: this step drafts."""
+        samples = self.samples.setdefault(batch, {True: 0, False: 0})
+        step = self.steps[batch] = self.steps.get(batch, 0) + 1
+        for drafting in (True, False):
+            if samples[drafting] < self.warmup:
+                return drafting
+        rates = self.rates[batch]
+        best = rates[True] >= rates[False]
+        return (not best) if step % self.explore_every == 0 else best
+
+    def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-9)
+        rates = self.rates.setdefault(batch, {})
+        previous = rates.get(drafting)
+        rates[drafting] = rate if previous is None else (1 - self.smoothing) * previous + self.smoothing * rate
+        self.samples.setdefault(batch, {True: 0, False: 0})[drafting] += 1
+
+
 class BatchedSpecEngine:
     def __init__(self, target, drafter=None, block_size: int = 8, max_batch: int = 8, adaptive: bool = True,
-                 token_budget: int | None = 8):
+                 token_budget: int | None = 8, mode_chooser: ModeChooser | None = None):
         """`token_budget`: at most this many query tokens per verify pass over the whole batch
         (anchors included; None: no cap). A verify pass costs more the more tokens it holds,
         while a plain batched step already amortises the weights over the batch: under load
-        each row drafts less, down to none (plain batched decoding)."""
+        each row drafts less, down to none (plain batched decoding). `adaptive`: per-row
+        draft counts from recent acceptance, and (`mode_chooser`, a new ModeChooser if
+        None) drafting only at the batch sizes where it measured faster than plain steps."""
         if block_size < 1:
             raise InvalidArgumentError(f"block size must be >= 1, got {block_size}")
         self.target, self.drafter = target, drafter
         self.block_size = block_size if drafter is not None else 1
         self.max_batch, self.adaptive, self.token_budget = max_batch, adaptive, token_budget
+        self.mode_chooser = (mode_chooser or ModeChooser()) if adaptive and drafter is not None else None
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         self.rows: list[BatchRow] = []
         self.waiting: list[BatchRow] = []
@@ -126,7 +171,7 @@ class BatchedSpecEngine:
                         if self.layer_ids else None)
             drafter.begin(prompt, features)
         # nothing of the batch changes before this point: a failure above leaves it intact
-        row.drafter = drafter
+        row.drafter, row.unseen_ids, row.unseen_features = drafter, [], []
         self._merge(single, prompt.numel())
         row.tokens.append(first)
         row.stats.new_tokens = 1
@@ -193,17 +238,20 @@ class BatchedSpecEngine:
         self._admit()
         if not self.rows:
             return
+        started = time.perf_counter()
+        batch = len(self.rows)
+        drafting = self.mode_chooser.choose(batch) if self.mode_chooser is not None else self.drafter is not None
         drafts = []
         for row in self.rows:
-            count = self._num_drafts(row)
+            count = self._num_drafts(row) if drafting else 0
             if row.drafter is not None and count:
+                self._catch_up(row)
                 draft = row.drafter.propose(torch.tensor(row.tokens), count, row.params, row.generator)
             else:
                 draft = None
             drafts.append(draft)
         lengths = [1 + (d.tokens.numel() if d is not None else 0) for d in drafts]
         width_q = max(lengths)
-        batch = len(self.rows)
         ids = torch.zeros(batch, width_q, dtype=torch.long)
         positions = torch.zeros(batch, width_q, dtype=torch.long)
         query_valid = torch.zeros(batch, width_q, dtype=torch.bool)
@@ -231,14 +279,16 @@ class BatchedSpecEngine:
                     if self.layer_ids else None)
         new_valid = torch.zeros(batch, width_q, dtype=torch.bool)
         finished = []
+        committed = 0
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
             count = lengths[i] - 1
             row_draft = draft if draft is not None else _NO_DRAFT
             accept_length, bonus = verify(logits[i, :count + 1], row_draft, row.params, row.generator)
             new_valid[i, :accept_length + 1] = True
-            if row.drafter is not None:
-                kept = ids[i, :accept_length + 1]
-                row.drafter.accept(kept, None if features is None else features[i, :accept_length + 1])
+            if row.drafter is not None:  # the drafter reads these when it drafts next (`_catch_up`)
+                row.unseen_ids.append(ids[i, :accept_length + 1])
+                if features is not None:  # a copy: a view would keep the whole batch's features alive
+                    row.unseen_features.append(features[i, :accept_length + 1].clone())
             row.stats.record_step(count, accept_length)
             if count:
                 ema = row.accept_ema if row.accept_ema >= 0 else accept_length
@@ -250,14 +300,27 @@ class BatchedSpecEngine:
             if row.logprobs is not None:
                 record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
             row.tokens += new
+            committed += len(new)
             row.stats.new_tokens += len(new)
             row.on_chunk(new)
             if new[-1] in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
                 finished.append(i)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
+        if self.mode_chooser is not None:  # the drafting mode's cost includes its catch-up
+            self.mode_chooser.record(batch, drafting, committed, time.perf_counter() - started)
         for i in reversed(finished):
             self._finish(i)
         self._compact_if_sparse()
+
+    @staticmethod
+    def _catch_up(row: BatchRow) -> None:
+        """Show the row's drafter what was committed since it last drafted, in one call."""
+        if not row.unseen_ids:
+            return
+        ids = torch.cat(row.unseen_ids)
+        features = torch.cat(row.unseen_features) if row.unseen_features else None
+        row.unseen_ids, row.unseen_features = [], []
+        row.drafter.accept(ids, features)
 
     def drop_cancelled_rows(self) -> None:
         for i in reversed([i for i, row in enumerate(self.rows) if row.cancelled]):
