@@ -26,7 +26,8 @@ def collect(engine, prompt, max_new, **options):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model",
+                                  "mtp", "eagle3"])
 def test_every_row_equals_greedy_decoding_alone(arch, kind):
     target = tiny_target(arch)
     references = [hf_greedy(target.model, p, 30, EOS) for p in PROMPTS]
@@ -144,7 +145,7 @@ class ScriptedChooser:
         pass
 
 
-@pytest.mark.parametrize("kind", ["dflash", "mtp", "draft-model", "oracle"])
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "draft-model", "oracle", "eagle3"])
 def test_plain_steps_defer_the_drafter_and_outputs_stay_greedy(kind):
     target = tiny_target("llama")
     references = [hf_greedy(target.model, p, 30, EOS) for p in PROMPTS]

@@ -55,6 +55,15 @@ def make_drafter(kind, target, prompt, ref, seed=0):
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.3)
         return MTPDrafter(model, target)
+    if kind == "eagle3":  # a random EAGLE-3 layer with a reduced draft vocabulary (stresses d2t and t2d)
+        from blockspec.drafters.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Drafter
+
+        torch.manual_seed(seed)
+        config = Eagle3Config.for_target(target, block_size=16)
+        config.draft_vocab_size = 48
+        model = Eagle3DraftModel(config)
+        model.d2t.copy_(torch.randperm(target.vocab_size)[:48].sort().values)
+        return Eagle3Drafter(model, target)
     if kind == "draft-model":  # an independent small LM with the same vocabulary
         from blockspec.drafters.draft_model import DraftModelDrafter
 
@@ -68,7 +77,8 @@ def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model", "mtp"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model", "mtp",
+                                  "eagle3"])
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_identity(arch, kind, block, prompt_name):

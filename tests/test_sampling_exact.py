@@ -93,6 +93,8 @@ def dflash(target, sample_drafts, draft_vocab=None):
         ("sampled drafts from an independent draft model, rejection sampling", SamplingParams(temperature=0.9)),
         ("sampled drafts from an MTP head with a reduced vocabulary, rejection sampling",
          SamplingParams(temperature=1.0, top_k=6)),
+        ("sampled drafts from an EAGLE-3 layer with a reduced vocabulary, rejection sampling",
+         SamplingParams(temperature=1.0)),
     ],
 )
 def test_output_distribution_is_the_targets(target, rule, params):
@@ -109,6 +111,18 @@ def test_output_distribution_is_the_targets(target, rule, params):
                 parameter.add_(torch.randn_like(parameter) * 0.5)
             model.d2t.copy_(torch.tensor([0, 2, 3, 5, 6]))
         drafter = MTPDrafter(model, target)
+    elif "EAGLE-3" in rule:
+        from blockspec.drafters.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Drafter
+
+        torch.manual_seed(4)
+        config = Eagle3Config.for_target(target, block_size=BLOCK)
+        config.draft_vocab_size = 5
+        model = Eagle3DraftModel(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+            model.d2t.copy_(torch.tensor([0, 2, 3, 5, 6]))
+        drafter = Eagle3Drafter(model, target)
     elif "draft model" in rule:
         from blockspec.drafters.draft_model import DraftModelDrafter
 

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a drafter in the format of transformers or speculators")
     export.add_argument("folder", help="a blockspec (reference-format) drafter folder")
     export.add_argument("output", help="folder to write")
-    export.add_argument("--to", required=True, choices=["transformers", "speculators"], dest="format")
+    export.add_argument("--to", required=True, choices=["transformers", "speculators", "sglang"], dest="format",
+                        help="sglang: an EAGLE-3 drafter with its layer ids as SGLang reads them")
     export.add_argument("--target", default=None,
                         help="the target (fills special token ids, the verifier's architectures and, for a reduced "
                              "draft vocabulary, the speculators lm_head)")
@@ -311,11 +312,13 @@ def _train(args) -> int:
     from blockspec.targets.loading import load_target
     from blockspec.training.config import TrainConfig, load_config
     from blockspec.training.draft_model import DraftModelTrainer
+    from blockspec.training.eagle3 import Eagle3Trainer
     from blockspec.training.mtp import MTPTrainer
     from blockspec.training.trainer import DFlashTrainer
 
     config = load_config(TrainConfig, args.config, args.overrides)
-    trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "draft-model": DraftModelTrainer}
+    trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "draft-model": DraftModelTrainer,
+                "eagle3": Eagle3Trainer}
     if config.method not in trainers:
         raise BlockspecError(f"unknown training method {config.method!r}: one of {', '.join(trainers)}")
     if not config.data:
@@ -341,7 +344,7 @@ def _check_drafter(args) -> int:
         for problem in problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    print(f"{args.folder}: OK, a valid DFlash drafter for target {args.target}")
+    print(f"{args.folder}: OK, a valid drafter for target {args.target}")
     return 0
 
 

@@ -71,13 +71,18 @@ class ModeChooser:
 
     Each mode is tried `warmup` times at a batch size before comparing; then the faster
     runs, and the slower is re-tried every `explore_every` steps at that size (acceptance
-    and the machine drift). Rates are exponential moving averages."""
+    and the machine drift). A mode's rate is its tokens over its seconds, both decayed by
+    `decay` per step of that mode (a ratio of sums: one lucky step does not flip it)."""
 
-    def __init__(self, warmup: int = 3, explore_every: int = 16, smoothing: float = 0.3):
-        self.warmup, self.explore_every, self.smoothing = warmup, explore_every, smoothing
-        self.rates: dict[int, dict[bool, float]] = {}  # batch size -> {drafting: tokens/s}
+    def __init__(self, warmup: int = 3, explore_every: int = 16, decay: float = 0.9):
+        self.warmup, self.explore_every, self.decay = warmup, explore_every, decay
+        self.totals: dict[int, dict[bool, list[float]]] = {}  # batch size -> {drafting: [tokens, seconds]}
         self.samples: dict[int, dict[bool, int]] = {}
         self.steps: dict[int, int] = {}
+
+    def rate(self, batch: int, drafting: bool) -> float:
+        tokens, seconds = self.totals[batch][drafting]
+        return tokens / max(seconds, 1e-9)
 
     def choose(self, batch: int) -> bool:
         """True: this step drafts."""
@@ -86,15 +91,13 @@ class ModeChooser:
         for drafting in (True, False):
             if samples[drafting] < self.warmup:
                 return drafting
-        rates = self.rates[batch]
-        best = rates[True] >= rates[False]
+        best = self.rate(batch, True) >= self.rate(batch, False)
         return (not best) if step % self.explore_every == 0 else best
 
     def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
-        rate = tokens / max(seconds, 1e-9)
-        rates = self.rates.setdefault(batch, {})
-        previous = rates.get(drafting)
-        rates[drafting] = rate if previous is None else (1 - self.smoothing) * previous + self.smoothing * rate
+        totals = self.totals.setdefault(batch, {True: [0.0, 0.0], False: [0.0, 0.0]})[drafting]
+        totals[0] = self.decay * totals[0] + tokens
+        totals[1] = self.decay * totals[1] + seconds
         self.samples.setdefault(batch, {True: 0, False: 0})[drafting] += 1
 
 

@@ -44,8 +44,16 @@ class DraftCheckpoint:
     a `draft_vocab_size` field), and register a `d2t` buffer when the vocabulary is reduced."""
 
     architecture: str = ""
+    architecture_aliases: tuple[str, ...] = ()  # other names the same format goes by
     config_class = None
     stored_head: torch.Tensor | None = None  # written as lm_head.weight (serving engines use it)
+    #: True: the format requires `lm_head.weight` even with the full vocabulary (EAGLE-3 readers
+    #: build their own head from it); False: only with a reduced draft vocabulary
+    head_always_stored = False
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors the format carries for other readers and blockspec does not load back."""
+        return {}
 
     def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
@@ -66,13 +74,15 @@ class DraftCheckpoint:
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         if self.config.draft_vocab_size:
             tensors["d2t"] = tensors["d2t"] - torch.arange(self.config.draft_vocab_size)
-            if self.stored_head is not None:
-                tensors["lm_head.weight"] = self.stored_head.detach().to("cpu", next(self.parameters()).dtype)
+        if (self.config.draft_vocab_size or self.head_always_stored) and self.stored_head is not None:
+            tensors["lm_head.weight"] = self.stored_head.detach().to("cpu", next(self.parameters()).dtype)
+        tensors.update(self.extra_tensors())
         if dtype is not None:
             tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
         config = self.config.to_hf_dict()
-        config["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).replace("torch.", "")
+        stored = dtype or next(t.dtype for t in tensors.values() if t.is_floating_point())  # not d2t's int64
+        config["torch_dtype"] = str(stored).replace("torch.", "")
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
@@ -85,12 +95,14 @@ class DraftCheckpoint:
             data = json.loads(config_path.read_text())
         except json.JSONDecodeError as error:
             raise DrafterMismatchError(f"{config_path} is not valid JSON: {error}") from None
-        if cls.architecture not in (data.get("architectures") or []):
+        if not {cls.architecture, *cls.architecture_aliases} & set(data.get("architectures") or []):
             raise DrafterMismatchError(f"{config_path}: architectures {data.get('architectures')} is not "
                                        f"{cls.architecture}")
         model = cls(cls.config_class.from_hf_dict(data))
         state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
         model.stored_head = state.pop("lm_head.weight", None)
+        for name in model.extra_tensors():
+            state.pop(name, None)
         if "d2t" in state and model.config.draft_vocab_size:
             ids = state["d2t"] + torch.arange(model.config.draft_vocab_size)  # offsets -> ids
             if not (bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0 and int(ids[-1]) < model.config.vocab_size):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from blockspec.drafters.base import Drafter
 from blockspec.drafters.dflash import load_dflash
+from blockspec.drafters.eagle3 import load_eagle3
 from blockspec.drafters.mtp import load_mtp
 from blockspec.drafters.prompt_lookup import PromptLookupDrafter
 from blockspec.errors import DrafterNotFoundError
@@ -21,6 +22,8 @@ NAMED_DRAFTERS: dict[str, Callable[..., Drafter]] = {
 CHECKPOINT_LOADERS: dict[str, Callable[..., Drafter]] = {
     "DFlashDraftModel": load_dflash,
     "MTPHeadModel": load_mtp,
+    "LlamaForCausalLMEagle3": load_eagle3,  # the EAGLE-3 format (vLLM / SGLang names)
+    "Eagle3LlamaForCausalLM": load_eagle3,
 }
 # Drafters shipped inside the package, one folder each.
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"

@@ -20,6 +20,10 @@ with `fc`, `hidden_norm`, `layers.*`, `norm`), which vLLM (`method: "dflash"`) a
   verifier's last layer is implicit and never listed). A reduced draft vocabulary
   becomes its `d2t` (offsets: target id = draft index + d2t) and `t2d` (boolean mask),
   plus `lm_head.weight`, the target head's rows for the draft vocabulary.
+
+EAGLE-3 drafters (`blockspec train --method eagle3`) are natively in the EAGLE-3 format
+vLLM reads; `--to sglang` rewrites only `eagle_aux_hidden_state_layer_ids` for SGLang,
+which reads that field one layer later than vLLM (see drafters/eagle3.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from blockspec.atomic import replace_dir
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel
 from blockspec.errors import DrafterMismatchError, DrafterNotFoundError, InvalidArgumentError
 
-FORMATS = ("transformers", "speculators")
+FORMATS = ("transformers", "speculators", "sglang")
 _TRANSFORMERS_RENAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
 
 
@@ -82,6 +86,11 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
     """Write the drafter of folder `source` (native format) as `fmt` into `output`, atomically."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if _architectures(source) & {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}:
+        return _export_eagle3(source, fmt, output)
+    if fmt == "sglang":
+        raise InvalidArgumentError("SGLang serves a DFlash drafter folder as it is (method DFLASH); "
+                                   "--to sglang rewrites EAGLE-3 drafters")
     model = DFlashDraftModel.from_pretrained(source)  # validates names and shapes
     config = model.config
     state = load_file(Path(source) / "model.safetensors")  # the stored tensors, in their stored dtype
@@ -121,6 +130,31 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
             spec["torch_dtype"] = str(dtype).replace("torch.", "")
             (staging / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
             save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    return Path(output)
+
+
+def _architectures(folder) -> set[str]:
+    try:
+        return set(json.loads((Path(folder) / "config.json").read_text()).get("architectures") or [])
+    except (OSError, json.JSONDecodeError):
+        return set()  # from_pretrained reports what is wrong
+
+
+def _export_eagle3(source, fmt: str, output) -> Path:
+    """EAGLE-3 for SGLang: the same weights; the layer ids as SGLang 0.5.23 reads them."""
+    from blockspec.drafters.eagle3 import SGLANG_MARKER, Eagle3DraftModel
+
+    if fmt != "sglang":
+        raise InvalidArgumentError(f"an EAGLE-3 drafter exports --to sglang only (vLLM reads the folder as it is), "
+                                   f"not {fmt}")
+    config = Eagle3DraftModel.from_pretrained(source).config  # validates names and shapes
+    data = json.loads((Path(source) / "config.json").read_text())
+    if not config.uses_default_layers():  # the default is read alike by both engines: left out
+        data["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(config.target_layer_ids)
+        data[SGLANG_MARKER] = True
+    with replace_dir(output) as staging:
+        (staging / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+        (staging / "model.safetensors").write_bytes((Path(source) / "model.safetensors").read_bytes())
     return Path(output)
 
 
@@ -174,6 +208,8 @@ def detect_format(folder: Path) -> str:
         return "transformers"
     if "DFlashDraftModel" in (data.get("architectures") or []) and "dflash_config" in data:
         return "native"
+    if {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"} & set(data.get("architectures") or []):
+        return "eagle3"
     raise DrafterMismatchError(f"{config_path}: not a DFlash drafter in a format blockspec knows "
                                "(native/reference, transformers muse_glimmer_assistant, speculators dflash)")
 
@@ -188,8 +224,10 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
     fmt = detect_format(folder)
     data = json.loads((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")
-    if fmt == "native":
-        model = DFlashDraftModel.from_pretrained(folder)
+    if fmt in ("native", "eagle3"):  # an EAGLE-3 folder for either engine reads back the same
+        from blockspec.drafters.eagle3 import Eagle3DraftModel
+
+        model = (DFlashDraftModel if fmt == "native" else Eagle3DraftModel).from_pretrained(folder)
         model.save_pretrained(output, dtype=next(t.dtype for t in tensors.values() if t.is_floating_point()))
         return Path(output)
     if fmt == "transformers":

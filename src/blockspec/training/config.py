@@ -15,7 +15,7 @@ from blockspec.errors import InvalidArgumentError
 @dataclass
 class TrainConfig:
     # what to train, for which target, on what
-    method: str = "dflash"  # dflash | mtp | draft-model
+    method: str = "dflash"  # dflash | eagle3 | mtp | draft-model
     target: str = "default"
     data: str = ""  # folder(s) written by `blockspec data`, joined by commas
     output: str = "runs/dflash"

@@ -197,7 +197,7 @@ class DFlashTrainer:
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
         if hasattr(self.model, "head"):
             self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
-            if config.draft_vocab_size:
+            if config.draft_vocab_size or self.model.head_always_stored:
                 self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -315,12 +315,17 @@ class DFlashTrainer:
     def _target_features(self, indices: list[int]) -> list[torch.Tensor]:
         layer_ids = tuple(self.model.config.target_layer_ids)
         missing = [i for i in indices if i not in self._features]
-        stored = [i for i in missing if self.train_records[i].get("features_ref", (None, None, None))[2] == layer_ids]
-        for index in stored:  # captured by `blockspec data` while it generated
-            path, key, _ = self.train_records[index]["features_ref"]
+        # captured by `blockspec data` while it generated, for these layers or more
+        stored = [i for i in missing
+                  if set(layer_ids) <= set(self.train_records[i].get("features_ref", (None, None, ()))[2] or ())]
+        for index in stored:
+            path, key, stored_ids = self.train_records[index]["features_ref"]
             with safe_open(path, framework="pt") as handle:
                 length = self._sequence(self.train_records[index])[0].numel()
-                self._features[index] = handle.get_tensor(key)[:length].to(torch.float16)
+                everything = handle.get_tensor(key)[:length]
+            width = everything.shape[-1] // len(stored_ids)
+            chosen = [everything[:, stored_ids.index(i) * width:(stored_ids.index(i) + 1) * width] for i in layer_ids]
+            self._features[index] = torch.cat(chosen, dim=-1).to(torch.float16)
         missing = [i for i in missing if i not in self._features]
         if missing:
             sequences = [self._sequence(self.train_records[i])[0] for i in missing]

@@ -1,0 +1,329 @@
+"""EAGLE-3-style drafter: ONE autoregressive decoder layer on fused target features.
+
+    g_j     = fc([f_low; f_mid; f_high]_j)        the target's features at position j, fused
+    input_j = [input_layernorm(embed(x_{j+1})); hidden_norm(g_j)]   (2H wide: q/k/v read both)
+    h_j     = the layer's residual stream after attention and MLP (g_j is its residual start)
+    x_{j+2} = argmax(head(norm(h_j)))
+
+Drafting from the last verified position j = n - 1 (the anchor x_n has no features yet):
+step 1 runs the committed positions whose features are new (causal attention over the
+drafter's own cache of committed positions) and predicts x_{n+1} at position n - 1; step
+s >= 2 feeds the drafter's OWN h of the previous step with the embedding of the token it
+just drafted, at position n + s - 2, attending the committed cache and the chain's
+earlier steps. Drafted positions are never kept: the cache holds only committed
+positions, computed from the target's true features. Training unrolls the same steps
+on the true tokens (training-time test, `blockspec train --method eagle3`).
+
+The checkpoint IS the EAGLE-3 format vLLM (`llama_eagle3`, method "eagle3") and SGLang
+read: `architectures: ["LlamaForCausalLMEagle3"]`, weights `fc`, `midlayer.*`, `norm`,
+`lm_head` (the target head's rows for the draft vocabulary), `d2t` (offsets) and `t2d`,
+`draft_vocab_size`. Embedding and LM head are the target's, frozen.
+
+Which target layers: both engines default to capturing the hidden state BEFORE decoder
+layers (2, L//2, L-3), i.e. our ids (1, L//2 - 1, L - 4) (ours count the output of layer
+i as i). When a drafter uses those, `eagle_aux_hidden_state_layer_ids` is left out and
+both read it right. Other ids are written as vLLM 0.33 reads the field (the state before
+layer id: ours + 1); SGLang 0.5.23 adds one more (`set_eagle3_layers_to_capture`), so
+`blockspec export DIR --to sglang OUT` writes ours unchanged there, marked for reading back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
+from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
+from blockspec.drafters.dflash import _apply_rope
+from blockspec.errors import DrafterMismatchError
+
+
+# config.json of a folder exported `--to sglang`: eagle_aux_hidden_state_layer_ids holds our ids
+SGLANG_MARKER = "blockspec_layer_ids_for_sglang"
+
+
+def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """Low, middle and high features: vLLM's default aux layers (2, L//2, L-3), in our
+    convention (`i` = the output of decoder layer i, i.e. their id - 1)."""
+    last = num_target_layers - 1
+    return sorted({min(max(i, 0), last) for i in (1, num_target_layers // 2 - 1, num_target_layers - 4)})
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+    block_size: int = 8  # anchor + the drafts it was trained to unroll
+    draft_vocab_size: int | None = None
+    target: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_target(cls, target, *, block_size: int = 8, target_layer_ids: list[int] | None = None,
+                   intermediate_size: int | None = None) -> "Eagle3Config":
+        tc = target.config
+        heads = tc.num_attention_heads
+        return cls(hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+                   num_attention_heads=heads, num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+                   vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+                   target_layer_ids=list(target_layer_ids or default_eagle3_layer_ids(target.num_layers)),
+                   rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=target.rope_theta,
+                   max_position_embeddings=target.max_context, block_size=block_size, target=target.fingerprint())
+
+    def to_hf_dict(self) -> dict:
+        """config.json as vLLM's and SGLang's EAGLE-3 Llama readers expect it."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
+            "target_hidden_size": self.hidden_size,
+            "eagle_config": {"use_aux_hidden_state": True, **(
+                {} if self.uses_default_layers() else
+                {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids]})},
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "torch_dtype": "float32",
+            "blockspec_target": self.target,
+        }
+
+    def uses_default_layers(self) -> bool:
+        # below 8 layers the engines' default (2, L//2, L-3) is not three distinct layers
+        return self.num_target_layers >= 8 and list(self.target_layer_ids) == default_eagle3_layer_ids(
+            self.num_target_layers)
+
+    @classmethod
+    def from_hf_dict(cls, data: dict) -> "Eagle3Config":
+        try:
+            heads = data["num_attention_heads"]
+            aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            if not aux:  # the engines' default
+                layer_ids = default_eagle3_layer_ids(data["num_target_layers"])
+            elif data.get(SGLANG_MARKER):  # written for SGLang: the ids are ours
+                layer_ids = [int(i) for i in aux]
+            else:  # vLLM's reading: the state before layer id
+                layer_ids = [int(i) - 1 for i in aux]
+            vocab = data["vocab_size"]
+            draft_vocab = data.get("draft_vocab_size")
+            return cls(hidden_size=data["hidden_size"], intermediate_size=data["intermediate_size"],
+                       num_attention_heads=heads, num_key_value_heads=data.get("num_key_value_heads") or heads,
+                       head_dim=data.get("head_dim") or data["hidden_size"] // heads, vocab_size=vocab,
+                       num_target_layers=data["num_target_layers"], target_layer_ids=layer_ids,
+                       rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+                       rope_theta=float(data.get("rope_theta") or 1e6),
+                       max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+                       block_size=int(data.get("block_size", 8)),
+                       draft_vocab_size=draft_vocab if draft_vocab and draft_vocab != vocab else None,
+                       target=data.get("blockspec_target") or {})
+        except (KeyError, TypeError) as error:
+            raise DrafterMismatchError(f"config.json is not an EAGLE-3 drafter config: missing or bad field {error}") from None
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
+        wide = 2 * config.hidden_size  # [embedding; hidden]
+        self.q_proj = nn.Linear(wide, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(wide, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(wide, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, past_k, past_v, mask):
+        """x [b, n, 2H]; keys/values = [past | new]; `mask` [b, 1, n, past + n] (True: attend).
+        Returns (output [b, n, H], new K, new V)."""
+        b, n, _ = x.shape
+        q = _apply_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = _apply_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), k, v
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """vLLM's `llama_eagle3` first layer: attention over [norm(embedding); norm(hidden)],
+    the residual stream starting from the (un-normed) hidden state."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = Eagle3MLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, embeds, hidden, cos, sin, past_k=None, past_v=None, mask=None):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attended, k, v = self.self_attn(x, cos, sin, past_k, past_v, mask)
+        residual = hidden + attended
+        return residual + self.mlp(self.post_attention_layernorm(residual)), k, v
+
+
+class Eagle3DraftModel(DraftCheckpoint, nn.Module):
+    """Weight names are the EAGLE-3 checkpoints' (fc, midlayer.*, norm)."""
+
+    architecture = "LlamaForCausalLMEagle3"
+    architecture_aliases = ("Eagle3LlamaForCausalLM",)
+    config_class = Eagle3Config
+    head_always_stored = True
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.draft_vocab_size:
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        self.stored_head = None
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, embeds, hidden, positions, past_k=None, past_v=None, mask=None):
+        """One pass of the layer: embeddings and hidden states [b, n, H] at `positions` [b, n]
+        -> (h [b, n, H] before the final norm, new K, new V)."""
+        cos, sin = self.rope(positions, embeds.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        # t2d: which target ids the draft vocabulary holds (vLLM skips it, SGLang and the
+        # EAGLE-3 tooling read it); the full vocabulary when it is not reduced
+        t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
+        t2d[self.d2t if self.config.draft_vocab_size else slice(None)] = True
+        return {"t2d": t2d}
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+
+    def __init__(self, model: Eagle3DraftModel, target, *, force: bool = False):
+        config = model.config
+        problems = fit_problems(config, target, check_fingerprint=not force)
+        bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad_ids:
+            problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")
+        if problems:
+            raise DrafterMismatchError("EAGLE-3 drafter does not fit the target: " + "; ".join(problems))
+        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.target = target
+        self.target_layer_ids = tuple(config.target_layer_ids)
+        self.max_block_size = config.block_size
+        self._head_weight, self._head_bias = self.model.head(target)
+        self._d2t = getattr(self.model, "d2t", None)
+        self._keys = self._values = None  # the committed positions' K/V [1, kv, m, d]
+        self._unseen: list[torch.Tensor] = []  # features of committed positions not yet in the cache
+
+    def begin(self, prompt_ids, prompt_features) -> None:
+        self._keys = self._values = None
+        self._unseen = [prompt_features]
+
+    def accept(self, committed_ids, committed_features) -> None:
+        self._unseen.append(committed_features)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.model.norm(h), self._head_weight, self._head_bias).float()
+
+    @torch.inference_mode()
+    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
+        rows = []
+
+        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
+            if params.greedy:
+                return logits.argmax(-1)
+            probs = warp_probs(logits, params)
+            rows.append(probs[0])
+            return sample(probs, generator)
+
+        choices = self.unroll(token_ids, num_drafts, pick)
+        draft_tokens = torch.tensor([int(self.to_target_ids(c)) for c in choices], dtype=torch.long)
+        if params.greedy or not rows:
+            return Draft(tokens=draft_tokens)
+        probs = on_target_vocabulary(torch.stack(rows), self.target.vocab_size, self._d2t)
+        return Draft(tokens=draft_tokens, probs=probs.cpu())
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self._d2t is None else self._d2t[draft_ids]
+
+    @torch.inference_mode()
+    def unroll(self, token_ids: torch.Tensor, num_drafts: int, pick) -> list[torch.Tensor]:
+        """Bring the cache up to the committed tokens, then run `num_drafts` steps; `pick(step,
+        logits [1, V'])` chooses each step's draft index (it is fed back as the next input)."""
+        device, dtype = self.target.device, self.target.dtype
+        features = torch.cat(self._unseen).to(device, dtype)
+        self._unseen = []
+        cached = 0 if self._keys is None else self._keys.shape[2]
+        n = token_ids.numel() - 1  # the anchor's position; features cover 0..n-1
+        if features.shape[0] != n - cached:
+            raise RuntimeError(f"EAGLE-3 drafter out of step: features for {features.shape[0]} new positions, "
+                               f"{n - cached} committed")
+        # step 1: the new committed positions cached..n-1, each paired with the NEXT token
+        positions = torch.arange(cached, n, device=device)[None]
+        embeds = self.target.embed(token_ids[cached + 1:n + 1].to(device))[None]
+        causal = torch.ones(n - cached, n, dtype=torch.bool, device=device).tril(cached)[None, None]
+        h, k, v = self.model(embeds, self.model.fc(features[None]), positions, self._keys, self._values, causal)
+        self._keys = k if self._keys is None else torch.cat([self._keys, k], dim=2)
+        self._values = v if self._values is None else torch.cat([self._values, v], dim=2)
+        chain_k, chain_v = self._keys, self._values  # committed + this chain's drafted steps
+        h = h[:, -1:]
+        choices = []
+        for step in range(num_drafts):
+            choice = pick(step, self._logits(h[0]))
+            choices.append(choice)
+            if step == num_drafts - 1:
+                break
+            token = self.to_target_ids(choice).view(1, 1).to(device)
+            h, k, v = self.model(self.target.embed(token), h, torch.tensor([[n + step]], device=device),
+                                 chain_k, chain_v)
+            chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
+        return choices
+
+
+def load_eagle3(directory, target, **options) -> Eagle3Drafter:
+    return Eagle3Drafter(Eagle3DraftModel.from_pretrained(directory), target, force=options.get("force", False))

@@ -1,0 +1,139 @@
+"""`blockspec train --method eagle3`: the EAGLE-3-style layer trained with the training-
+time test on the target's regenerated data; data, schedule, checkpoints, resume, held-out
+tau and DDP come from the DFlash trainer.
+
+Per sequence, step 1 runs every position j at once (causal, on the target's fused
+features, paired with the next token x[j+1]); then, for `num_anchors` random response
+anchors a (chain j = a - 1, as at inference where the anchor has no features yet), the
+layer is unrolled K = block_size - 1 times on its OWN hidden state with the TRUE next
+token, step s at position j + s - 1 attending the step-1 keys up to j and the chain's
+own earlier steps: exactly what drafting sees. Step s predicts x[a + s], weighted
+exp(-(s-1)/gamma) like DFlash block position s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.drafters.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Drafter
+from blockspec.errors import InvalidArgumentError
+from blockspec.training.trainer import IGNORE, DFlashTrainer, sample_anchors
+
+
+@torch.no_grad()
+def init_eagle3_from_target(model: Eagle3DraftModel, target) -> bool:
+    """Start the layer as the target's LAST decoder layer reading the highest feature layer
+    (the embedding half of q/k/v at zero), and the final norm as the target's: on a CPU
+    budget a start that already predicts like the target beats a random one."""
+    layers = getattr(getattr(target.model, "model", None), "layers", None)
+    if target.config.model_type not in ("llama", "mistral", "qwen2", "qwen3") or not layers:
+        return False
+    hidden = model.config.hidden_size
+    source = layers[-1]
+    attention = model.midlayer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        mine, theirs = getattr(attention, name).weight, getattr(source.self_attn, name).weight
+        if mine[:, hidden:].shape == theirs.shape:
+            mine.zero_()
+            mine[:, hidden:] = theirs
+    if attention.o_proj.weight.shape == source.self_attn.o_proj.weight.shape:
+        attention.o_proj.weight.copy_(source.self_attn.o_proj.weight)
+    own_mlp = model.midlayer.mlp.state_dict()
+    own_mlp.update({k: v for k, v in source.mlp.state_dict().items() if k in own_mlp and own_mlp[k].shape == v.shape})
+    model.midlayer.mlp.load_state_dict(own_mlp)
+    model.midlayer.hidden_norm.weight.copy_(source.input_layernorm.weight)
+    model.midlayer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+    final_norm = getattr(target.model.model, "norm", None)
+    if final_norm is not None and final_norm.weight.shape == model.norm.weight.shape:
+        model.norm.weight.copy_(final_norm.weight)
+    highest = max(range(len(model.config.target_layer_ids)), key=lambda i: model.config.target_layer_ids[i])
+    model.fc.weight.zero_()
+    model.fc.weight[:, highest * hidden:(highest + 1) * hidden] = torch.eye(hidden)
+    return True
+
+
+class Eagle3Trainer(DFlashTrainer):
+    uses_ddp_wrapper = False  # the layer runs K times per step: gradients are averaged by hand
+
+    def build_model(self):
+        config = Eagle3Config.for_target(self.target, block_size=self.config.block_size,
+                                         target_layer_ids=self.config.target_layer_ids,
+                                         intermediate_size=self.config.intermediate_size)
+        config.draft_vocab_size = self.config.draft_vocab_size
+        model = Eagle3DraftModel(config)
+        if self.config.init_from_target:
+            init_eagle3_from_target(model, self.target)
+        return model
+
+    def make_drafter(self, model=None):
+        return Eagle3Drafter(model or self.model, self.target)
+
+    def shard(self, model) -> None:
+        raise InvalidArgumentError("--parallel fsdp trains dflash and draft-model drafters; "
+                                   "the EAGLE-3 layer (one layer) trains with --parallel ddp")
+
+    def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
+        config = self.config
+        device, dtype = self.target.device, next(self.model.parameters()).dtype
+        sequences, prompt_lens = zip(*(self._sequence(self.train_records[i]) for i in indices))
+        features = self._target_features(list(indices))
+        width = max(s.numel() for s in sequences)
+        ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences]).to(device)
+        lengths = torch.tensor([s.numel() for s in sequences], device=device)
+        fused = self.model.fc(torch.stack([F.pad(f.to(dtype), (0, 0, 0, width - f.shape[0])) for f in features]).to(device))
+        # step 1, every position j at once: (x[j+1], g_j) at position j, causal
+        with torch.no_grad():
+            next_embeds = self.target.embed(ids[:, 1:])
+        positions = torch.arange(width - 1, device=device).expand(len(indices), -1)
+        causal = torch.ones(width - 1, width - 1, dtype=torch.bool, device=device).tril()[None, None]
+        h_all, k_all, v_all = self.model(next_embeds, fused[:, :-1], positions, mask=causal)
+        # the chains: j = anchor - 1 for random response anchors
+        rows, js = [], []
+        for row, (index, sequence, prompt_len) in enumerate(zip(indices, sequences, prompt_lens)):
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 100_003 + index)
+            anchors = sample_anchors(prompt_len, sequence.numel(), config.num_anchors, generator)
+            rows += [row] * anchors.numel()
+            js += (anchors - 1).tolist()
+        # every parameter takes part in the graph even when this rank has no chain, so that
+        # the ranks reduce the same gradients
+        total = sum(p.sum() for p in self.model.parameters()) * 0.0
+        weight_sum = torch.zeros((), device=device)
+        correct = counted = 0
+        if js:
+            rows_t, js_t = torch.tensor(rows, device=device), torch.tensor(js, device=device)
+            h = h_all[rows_t, js_t][:, None]  # [C, 1, H]
+            context_k, context_v = k_all[rows_t], v_all[rows_t]  # [C, kv, T-1, d]: step 1's keys
+            context_mask = torch.arange(width - 1, device=device)[None] <= js_t[:, None]  # up to j
+            chain_k, chain_v = [], []
+            t2d = self.t2d.to(device)
+            for step in range(1, config.block_size):
+                label_at = js_t + step + 1  # x[a + step]
+                labels = torch.where(label_at < lengths[rows_t], ids[rows_t, label_at.clamp(max=width - 1)], IGNORE)
+                mapped = torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
+                valid = mapped >= 0
+                if bool(valid.any()):
+                    logits = F.linear(self.model.norm(h[:, 0][valid]), *self._head).float()
+                    weight = float(self.weights[step])
+                    total = total + weight * F.cross_entropy(logits, mapped[valid], reduction="sum")
+                    weight_sum = weight_sum + weight * valid.sum()
+                    with torch.no_grad():
+                        correct += int((logits.argmax(-1) == mapped[valid]).sum())
+                        counted += int(valid.sum())
+                if step == config.block_size - 1 or not bool((label_at < lengths[rows_t]).any()):
+                    break
+                # the next step: the true token it just predicted, its own hidden state, one position on
+                with torch.no_grad():
+                    embeds = self.target.embed(labels.clamp_min(0))[:, None]
+                mask = torch.cat([context_mask, torch.ones(len(js), step, dtype=torch.bool, device=device)], dim=1)
+                h, k, v = self.model(embeds, h, (js_t + step)[:, None], torch.cat([context_k, *chain_k], dim=2),
+                                     torch.cat([context_v, *chain_v], dim=2), mask[:, None, None])
+                chain_k.append(k)
+                chain_v.append(v)
+        if self.world_size > 1:  # every rank calls this, whatever its batch held
+            import torch.distributed as dist
+
+            weight_sum = weight_sum.detach().clone()
+            dist.all_reduce(weight_sum)  # the global normaliser, as in the DFlash loss
+        loss = total / weight_sum.detach().clamp_min(1e-8)
+        return loss, {"loss": float(loss.detach()), "acc": correct / counted if counted else 0.0}
