@@ -249,3 +249,27 @@ def test_eagle3_training_unroll_is_what_drafting_computes(tmp_path):
     assert len(captured) == steps
     for step, (train, draft) in enumerate(zip(captured, drafted)):
         torch.testing.assert_close(train, draft, rtol=1e-4, atol=1e-4, msg=f"step {step + 1}")
+
+
+def test_distillation_from_the_targets_top1_is_the_hard_label_loss(tmp_path):
+    """On the target's own greedy text, its top-1 distribution IS the label: the soft-label
+    loss with k = 1 equals the hard-label loss; with k = 5 it spreads over other tokens."""
+    target = tiny_target("llama")
+    records = [one_record(target, 30), one_record(target, 20)]
+    losses = {}
+    for k in (0, 1, 5):
+        trainer = DFlashTrainer(small_config(tmp_path / str(k), batch_size=2, distill_topk=k), target, records)
+        losses[k] = float(trainer.compute_loss([0, 1], epoch=0)[0].detach())
+        if k == 5:
+            indices = [0, 1]
+            sequences = [trainer._sequence(trainer.train_records[i])[0] for i in indices]
+            positions = torch.stack([torch.arange(6, 26)] * 2)  # response tokens (the prompt is 6 long)
+            labels = torch.stack([s[6:26] for s in sequences])
+            ids, probs = trainer.soft_labels(indices, positions, labels)
+            torch.testing.assert_close(probs.sum(-1), torch.ones(2, 20))
+            # the heaviest soft label is the token itself (greedy text)
+            assert torch.equal(ids.gather(2, probs.argmax(-1, keepdim=True))[..., 0], labels)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert losses[5] != pytest.approx(losses[0], rel=1e-3)
+    with pytest.raises(InvalidArgumentError, match="distill_topk"):
+        DFlashTrainer(small_config(tmp_path / "bad", distill_topk=-1), target, records)

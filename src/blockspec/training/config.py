@@ -38,6 +38,10 @@ class TrainConfig:
     # Reveal a random share of each block's tokens (ratio ~ U(0, 1]) so that the drafter
     # learns to fill partially masked blocks: needed for iterative unmasking in diffusion mode.
     random_mask: bool = False
+    # 0: learn the target's tokens (hard labels). K: learn the target's whole next-token
+    # distribution over its top K (soft labels, renormalised over the ids the draft
+    # vocabulary holds), from one target pass per training sequence, cached across epochs.
+    distill_topk: int = 0
     max_length: int = 1024
     batch_size: int = 4
     lr: float = 6e-4

@@ -235,6 +235,9 @@ class DFlashTrainer:
         self.weights = loss_weights(config.block_size, config.resolved_gamma())
         self.step = 0
         self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
+        self._top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # record index -> target top-k (ids, probs)
+        if config.distill_topk < 0:
+            raise InvalidArgumentError(f"distill_topk must be >= 0, got {config.distill_topk}")
         self.output = Path(config.output)
 
     # --- what a drafting method defines (DFlash here; subclasses for the others) ----------
@@ -340,6 +343,41 @@ class DFlashTrainer:
                 self._features[index] = stacked[row, : sequences[row].numel()].to(torch.float16)
         return [self._features[i] for i in indices]
 
+    @torch.inference_mode()
+    def _target_top(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per record: the target's top-k next-token ids [n, k] and probabilities [n, k]
+        (row p: the distribution of the token at p + 1), computed once."""
+        missing = [i for i in indices if i not in self._top]
+        if missing:
+            sequences = [self._sequence(self.train_records[i])[0] for i in missing]
+            width = max(s.numel() for s in sequences)
+            ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
+            attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
+            logits = self.target.model(input_ids=ids.to(self.target.device),
+                                       attention_mask=attention.to(self.target.device)).logits.float()
+            top = torch.softmax(logits, dim=-1).topk(self.config.distill_topk, dim=-1)
+            for row, index in enumerate(missing):
+                n = sequences[row].numel()
+                self._top[index] = (top.indices[row, :n].to("cpu", torch.int32),
+                                    top.values[row, :n].to("cpu", torch.float16))
+        return [self._top[i] for i in indices]
+
+    def soft_labels(self, indices: list[int], positions: torch.Tensor, labels: torch.Tensor):
+        """The target's distributions for the labels at `positions` [b, w] (label = token AT
+        the position): draft-vocabulary ids [b, w, k] (-1 outside it) and weights [b, w, k]
+        summing to 1 over the ids inside (0 where a label is IGNORE)."""
+        tops = self._target_top(indices)
+        batch, width = labels.shape
+        k = self.config.distill_topk
+        ids = torch.full((batch, width, k), -1, dtype=torch.long)
+        probs = torch.zeros(batch, width, k)
+        for row, (top_ids, top_probs) in enumerate(tops):
+            source = (positions[row] - 1).clamp(0, top_ids.shape[0] - 1)  # the distribution that predicts it
+            ids[row], probs[row] = top_ids[source].long(), top_probs[source].float()
+        ids = torch.where(ids >= 0, self.t2d[ids.clamp_min(0)], -1)
+        probs = torch.where((ids >= 0) & (labels != IGNORE)[..., None], probs, 0.0)
+        return ids, probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+
     def batch_indices(self, step: int) -> list[int]:
         """The global batch of `step` (a pure function of seed and step: resumable)."""
         epoch, position = divmod(step, self.steps_per_epoch)
@@ -378,7 +416,13 @@ class DFlashTrainer:
         valid = labels >= 0  # has a label, inside the draft vocabulary
         logits = F.linear(hidden[valid], *self._head).float()  # only rows with a label
         targets = labels[valid].to(device)
-        per_token = F.cross_entropy(logits, targets, reduction="none")
+        if config.distill_topk:  # cross-entropy against the target's (top-k) distribution
+            soft_ids, soft_probs = self.soft_labels(list(indices), positions, labels)
+            log_probs = F.log_softmax(logits, dim=-1)
+            picked = log_probs.gather(1, soft_ids[valid].clamp_min(0).to(device))
+            per_token = -(soft_probs[valid].to(device) * picked).sum(-1)
+        else:
+            per_token = F.cross_entropy(logits, targets, reduction="none")
         w = weights[valid].to(device)
         weight_sum = w.sum().detach()
         if self.world_size > 1:
