@@ -314,6 +314,14 @@ class DFlashTrainer:
         ids = (record["prompt_ids"] + record["response_ids"])[: self.config.max_length]
         return torch.tensor(ids, dtype=torch.long), min(len(record["prompt_ids"]), len(ids))
 
+    def _padded(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The records' sequences, and as a right-padded batch (ids, attention mask) on the target's device."""
+        sequences = [self._sequence(self.train_records[i])[0] for i in indices]
+        width = max(s.numel() for s in sequences)
+        ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
+        attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
+        return sequences, ids.to(self.target.device), attention.to(self.target.device)
+
     @torch.inference_mode()
     def _target_features(self, indices: list[int]) -> list[torch.Tensor]:
         layer_ids = tuple(self.model.config.target_layer_ids)
@@ -331,12 +339,8 @@ class DFlashTrainer:
             self._features[index] = torch.cat(chosen, dim=-1).to(torch.float16)
         missing = [i for i in missing if i not in self._features]
         if missing:
-            sequences = [self._sequence(self.train_records[i])[0] for i in missing]
-            width = max(s.numel() for s in sequences)
-            ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
-            attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
-            out = self.target.model(input_ids=ids.to(self.target.device), attention_mask=attention.to(self.target.device),
-                                    output_hidden_states=True, logits_to_keep=1)
+            sequences, ids, attention = self._padded(missing)
+            out = self.target.model(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
             stacked = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
             for row, index in enumerate(missing):
                 # fp16 in memory: the features of a whole dataset must fit in RAM for reuse each epoch
@@ -349,12 +353,8 @@ class DFlashTrainer:
         (row p: the distribution of the token at p + 1), computed once."""
         missing = [i for i in indices if i not in self._top]
         if missing:
-            sequences = [self._sequence(self.train_records[i])[0] for i in missing]
-            width = max(s.numel() for s in sequences)
-            ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
-            attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
-            logits = self.target.model(input_ids=ids.to(self.target.device),
-                                       attention_mask=attention.to(self.target.device)).logits.float()
+            sequences, ids, attention = self._padded(missing)
+            logits = self.target.model(input_ids=ids, attention_mask=attention).logits.float()
             top = torch.softmax(logits, dim=-1).topk(self.config.distill_topk, dim=-1)
             for row, index in enumerate(missing):
                 n = sequences[row].numel()
