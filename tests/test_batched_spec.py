@@ -104,11 +104,12 @@ def test_serving_bench_closed_loop_counts_every_token(tmp_path):
 
     target = tiny_target("llama")
     drafter = make_drafter("prompt-lookup", target, [], [])
-    rows = serving_bench(target, drafter, PROMPTS, [1, 3], block_size=4, max_new_tokens=10)
+    rows = serving_bench(target, drafter, PROMPTS, [1, 3], block_size=4, max_new_tokens=10, repeats=2)
     assert [(r["concurrency"], r["method"]) for r in rows] == [(1, "baseline"), (1, "speculative"),
                                                                (3, "baseline"), (3, "speculative")]
     for r in rows:
         assert r["requests"] == len(PROMPTS) and 0 < r["output_tokens"] <= 10 * len(PROMPTS)
+        assert len(r["tokens_per_s_runs"]) == 2 and min(r["tokens_per_s_runs"]) <= r["tokens_per_s"]
     # lossless at T=0: both methods emit the same number of tokens
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
     report_serving(rows, tmp_path, {})

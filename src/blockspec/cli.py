@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--block-size", type=_positive_int, default=8)
     serving.add_argument("--concurrency", default="1,2,4,8")
     serving.add_argument("--requests", type=_positive_int, default=16, help="requests per configuration")
+    serving.add_argument("--repeats", type=_positive_int, default=1,
+                         help="runs of each configuration per level, alternating (medians are reported)")
     serving.add_argument("--max-new-tokens", type=_positive_int, default=64)
     serving.add_argument("--dataset", default="gsm8k")
     serving.add_argument("--data-dir", default=None)
@@ -385,10 +387,10 @@ def _bench_serve(args) -> int:
     prompts = [decoder.target.encode_prompt(p.turns[0])
                for p in load_prompts(args.dataset, args.data_dir, args.requests, args.seed)]
     rows = serving_bench(decoder.target, decoder.drafter, prompts, levels, decoder.block_size, args.max_new_tokens,
-                         args.token_budget)
+                         args.token_budget, args.repeats)
     meta = {"command": " ".join(sys.argv), "machine": machine_description(), "drafter": decoder.drafter.name,
             "block_size": decoder.block_size, "requests": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "token_budget": args.token_budget}
+            "token_budget": args.token_budget, "repeats": args.repeats}
     print(report_serving(rows, Path(args.output), meta))
     return 0
 

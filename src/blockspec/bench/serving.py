@@ -3,9 +3,10 @@ non-speculative batched baseline (the same engine with no drafter), in one proce
 
 Closed loop: each of the C clients sends its next request as soon as the previous one
 ends, until every request is served. Configurations alternate (baseline, speculative,
-baseline, ...) per concurrency level so machine drift hits both alike. Reported per
-configuration: output tokens/s over the whole run, per-request latency (median and p90),
-and the speculative / baseline throughput ratio.
+then speculative, baseline, ...) per concurrency level, `repeats` times, so machine
+drift hits both alike. Reported per configuration: the median over repeats of output
+tokens/s, per-request latency (median and p90 over every request of every repeat), and
+the speculative / baseline throughput ratio (of those medians).
 """
 
 from __future__ import annotations
@@ -49,20 +50,29 @@ def run_closed_loop(engine: BatchedSpecEngine, prompts: list[list[int]], concurr
         engine.step()
     wall = time.perf_counter() - started
     return {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "latency_median_s": statistics.median(latencies),
-            "latency_p90_s": sorted(latencies)[max(0, int(0.9 * len(latencies)) - 1)]}
+            "tokens_per_s": tokens / wall, "latencies": latencies}
 
 
 def serving_bench(target, drafter, prompts: list[list[int]], concurrency_levels: list[int], block_size: int,
-                  max_new_tokens: int, token_budget: int | None = 8) -> list[dict]:
+                  max_new_tokens: int, token_budget: int | None = 8, repeats: int = 1) -> list[dict]:
     rows = []
+    configurations = (("baseline", None), ("speculative", drafter))
     for concurrency in tqdm(concurrency_levels, desc="serving bench", unit="level"):
-        for name, use_drafter in (("baseline", None), ("speculative", drafter)):
-            engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency,
-                                       token_budget=token_budget)
-            result = run_closed_loop(engine, prompts, concurrency, max_new_tokens)
-            result["method"] = name
-            rows.append(result)
+        runs: dict[str, list[dict]] = {name: [] for name, _ in configurations}
+        for repeat in range(repeats):
+            for name, use_drafter in configurations[::1 if repeat % 2 == 0 else -1]:
+                engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency,
+                                           token_budget=token_budget)
+                runs[name].append(run_closed_loop(engine, prompts, concurrency, max_new_tokens))
+        for name, _ in configurations:
+            done = runs[name]
+            latencies = sorted(latency for run in done for latency in run["latencies"])
+            rows.append({"concurrency": concurrency, "method": name, "requests": done[0]["requests"],
+                         "repeats": repeats, "output_tokens": done[0]["output_tokens"],
+                         "tokens_per_s": statistics.median(run["tokens_per_s"] for run in done),
+                         "tokens_per_s_runs": [run["tokens_per_s"] for run in done],
+                         "latency_median_s": statistics.median(latencies),
+                         "latency_p90_s": latencies[max(0, int(0.9 * len(latencies)) - 1)]})
         base, spec = rows[-2], rows[-1]
         spec["throughput_ratio"] = spec["tokens_per_s"] / base["tokens_per_s"]
     return rows
