@@ -34,13 +34,19 @@ def measure_costs(target, drafter, block_size: int, context_len: int = 256, repe
     block = torch.randint(100, 1000, (block_size,), generator=generator)
     decode, verify, draft = [], [], []
     params = SamplingParams()
+    committed = context
     for _ in range(repeats):
         decode.append(_timed(lambda: target.forward(block[:1], layer_ids)))
         target.rollback(context_len)
         verify.append(_timed(lambda: target.forward(block, layer_ids)))
         target.rollback(context_len)
         if drafter is not None:
-            draft.append(_timed(lambda: drafter.propose(context, block_size - 1, params, None)))
+            # as in decoding: a new anchor after the committed tokens; then it is committed
+            # (with plausible features) so that the next pass drafts after it
+            with_anchor = torch.cat([committed, block[:1]])
+            draft.append(_timed(lambda: drafter.propose(with_anchor, block_size - 1, params, None)))
+            drafter.accept(block[:1], None if out.features is None else out.features[-1:])
+            committed = with_anchor
     decode_s = statistics.median(decode)
     result = {"context_len": context_len, "block_size": block_size, "decode_s": decode_s,
               "verify_s": statistics.median(verify), "r": statistics.median(verify) / decode_s}
