@@ -152,6 +152,13 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [b, 1, n, d] for absolute `positions` [b, n] (default RoPE)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -239,10 +246,7 @@ class DFlashDraftModel(DraftCheckpoint, nn.Module):
         self.stored_head = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [b, 1, n, d] for absolute `positions` [b, n]."""
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def context_key_values(self, target_features: torch.Tensor, positions: torch.Tensor):
         """Per layer (K, V) of the fused context: features [b, n, k*H] at `positions` [b, n]."""

@@ -38,7 +38,7 @@ from torch import nn
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
-from blockspec.drafters.dflash import _apply_rope
+from blockspec.drafters.dflash import DFlashMLP, _apply_rope, rope_cos_sin
 from blockspec.errors import DrafterMismatchError
 
 
@@ -171,17 +171,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), k, v
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """vLLM's `llama_eagle3` first layer: attention over [norm(embedding); norm(hidden)],
     the residual stream starting from the (un-normed) hidden state."""
@@ -189,7 +178,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.self_attn = Eagle3Attention(config)
-        self.mlp = Eagle3MLP(config)
+        self.mlp = DFlashMLP(config)  # the same SwiGLU MLP (gate/up/down_proj)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -221,20 +210,15 @@ class Eagle3DraftModel(DraftCheckpoint, nn.Module):
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
         self.stored_head = None
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def forward(self, embeds, hidden, positions, past_k=None, past_v=None, mask=None):
         """One pass of the layer: embeddings and hidden states [b, n, H] at `positions` [b, n]
         -> (h [b, n, H] before the final norm, new K, new V)."""
-        cos, sin = self.rope(positions, embeds.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
         return self.midlayer(embeds, hidden, cos, sin, past_k, past_v, mask)
 
     def extra_tensors(self) -> dict[str, torch.Tensor]:
-        # t2d: which target ids the draft vocabulary holds (vLLM skips it, SGLang and the
-        # EAGLE-3 tooling read it); the full vocabulary when it is not reduced
+        # t2d: which target ids the draft vocabulary holds, part of the EAGLE-3 checkpoint
+        # convention (vLLM and SGLang skip it, reading d2t); all of them when not reduced
         t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
         t2d[self.d2t if self.config.draft_vocab_size else slice(None)] = True
         return {"t2d": t2d}
