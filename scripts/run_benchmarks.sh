@@ -15,8 +15,14 @@ $BS bench --datasets gsm8k,math500,humaneval,mt_bench --data-dir "$DATA" --limit
 $BS bench --datasets gsm8k --data-dir "$DATA" --limit 4 --max-new-tokens 96 --temperature 1.0 \
     --methods baseline,prompt-lookup,dflash-b8 --no-memory --output runs/bench-t1-v3
 
+# the rival routes (issue #5), trained by scripts/train_rivals.sh on the same data, against DFlash
+$BS bench --datasets gsm8k,math500,humaneval,mt_bench --data-dir "$DATA" --limit 4 --max-new-tokens 96 \
+    --methods baseline,dflash-b8,eagle3-b8=runs/eagle3-smollm2/final,mtp-b8=runs/mtp-smollm2/final,draft-model-b8=model:runs/draftlm-smollm2/final \
+    --no-memory --output runs/bench-rivals
+
 # serving: 1, 2, 4 and 8 concurrent clients, speculative vs the non-speculative batched loop
-$BS bench-serve --data-dir "$DATA" --concurrency 1,2,4,8 --requests 12 --max-new-tokens 64 --output runs/bench-serve
+$BS bench-serve --data-dir "$DATA" --concurrency 1,2,4,8 --requests 12 --max-new-tokens 64 --repeats 3 \
+    --output runs/bench-serve-v2
 
 # what the README shows: T=0, 2 prompts per dataset, at most 64 new tokens (must stay under 10 minutes here)
 $BS bench --quick --data-dir "$DATA" --no-memory --output runs/bench-quick
