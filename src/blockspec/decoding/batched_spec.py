@@ -71,11 +71,13 @@ class ModeChooser:
 
     Each mode is tried `warmup` times at a batch size before comparing; then the faster
     runs, and the slower is re-tried every `explore_every` steps at that size (acceptance
-    and the machine drift). A mode's rate is its tokens over its seconds, both decayed by
-    `decay` per step of that mode (a ratio of sums: one lucky step does not flip it)."""
+    and the machine drift), or only every `4 * explore_every` once one is clearly (by
+    more than `margin`) faster: re-trying a clear loser costs throughput. A mode's rate
+    is its tokens over its seconds, both decayed by `decay` per step of that mode (a
+    ratio of sums: one lucky step does not flip it)."""
 
-    def __init__(self, warmup: int = 3, explore_every: int = 16, decay: float = 0.9):
-        self.warmup, self.explore_every, self.decay = warmup, explore_every, decay
+    def __init__(self, warmup: int = 3, explore_every: int = 16, decay: float = 0.9, margin: float = 0.15):
+        self.warmup, self.explore_every, self.decay, self.margin = warmup, explore_every, decay, margin
         self.totals: dict[int, dict[bool, list[float]]] = {}  # batch size -> {drafting: [tokens, seconds]}
         self.samples: dict[int, dict[bool, int]] = {}
         self.steps: dict[int, int] = {}
@@ -91,8 +93,10 @@ class ModeChooser:
         for drafting in (True, False):
             if samples[drafting] < self.warmup:
                 return drafting
-        best = self.rate(batch, True) >= self.rate(batch, False)
-        return (not best) if step % self.explore_every == 0 else best
+        drafting, plain = self.rate(batch, True), self.rate(batch, False)
+        best = drafting >= plain
+        clear = max(drafting, plain) > (1 + self.margin) * min(drafting, plain)
+        return (not best) if step % (self.explore_every * (4 if clear else 1)) == 0 else best
 
     def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
         totals = self.totals.setdefault(batch, {True: [0.0, 0.0], False: [0.0, 0.0]})[drafting]
