@@ -51,6 +51,7 @@ def main() -> None:
                   os.path.join(args.out_dir, f"{args.tag}-world{world}-rank{rank}.safetensors"),
                   metadata={"held_as": held_as})
     if world > 1:
+        torch.distributed.barrier()  # no rank tears down while another still talks to it
         torch.distributed.destroy_process_group()
 
 

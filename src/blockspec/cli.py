@@ -333,6 +333,11 @@ def _train(args) -> int:
         torch.cuda.set_device(device)
     target = load_target(config.target, threads=config.threads, device=device or "cpu")
     trainers[config.method](config, target).run(resume=args.resume)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # under torchrun: leave together, after rank 0 has written
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
