@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.sampling import SamplingParams
+from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 
 
 @dataclass
@@ -48,6 +48,37 @@ class Drafter(ABC):
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         """The verifier kept `committed_ids` (the anchor and the accepted drafts, which now
         have target K/V) with their target features. Default: nothing to update."""
+
+
+class TokenPicker:
+    """The choices of a draft made one token at a time (MTP, EAGLE-3, a draft model): the
+    argmax at T=0, else a sample from the drafter's warped distribution, whose rows the
+    rejection sampler needs. `d2t` maps a reduced draft vocabulary to target ids."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None, vocab_size: int,
+                 d2t: torch.Tensor | None = None):
+        self.params, self.generator, self.vocab_size, self.d2t = params, generator, vocab_size, d2t
+        self.tokens: list[int] = []
+        self.rows: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Choose from `logits` [1, V'] (draft vocabulary); returns the TARGET id."""
+        if self.params.greedy:
+            choice = logits.argmax(-1)
+        else:
+            probs = warp_probs(logits.float(), self.params)
+            self.rows.append(probs[0])
+            choice = sample(probs, self.generator)
+        token = int(choice[0] if self.d2t is None else self.d2t[choice[0]])
+        self.tokens.append(token)
+        return token
+
+    def draft(self) -> Draft:
+        tokens = torch.tensor(self.tokens, dtype=torch.long)
+        if self.params.greedy or not self.rows:
+            return Draft(tokens=tokens)
+        probs = on_target_vocabulary(torch.stack(self.rows), self.vocab_size, self.d2t)
+        return Draft(tokens=tokens, probs=probs.cpu())
 
 
 def on_target_vocabulary(probs: torch.Tensor, vocab_size: int, d2t: torch.Tensor | None = None) -> torch.Tensor:

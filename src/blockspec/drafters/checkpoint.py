@@ -31,6 +31,13 @@ def fit_problems(config, target, check_fingerprint: bool = True) -> list[str]:
         problems.append(f"num_target_layers {config.num_target_layers} != target's {target.num_layers}")
     if config.draft_vocab_size and not 0 < config.draft_vocab_size <= target.vocab_size:
         problems.append(f"draft_vocab_size {config.draft_vocab_size} outside 1..{target.vocab_size}")
+    ids = list(config.target_layer_ids)  # the target layers whose features it reads
+    if not ids or ids != sorted(set(ids)):
+        problems.append(f"target_layer_ids {ids} must be strictly increasing without repeats (serving engines "
+                        "capture each layer once, in order)")
+    bad_ids = [i for i in ids if not 0 <= i < target.num_layers]
+    if bad_ids:
+        problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")
     recorded = config.target.get("tokenizer_sha256")
     if check_fingerprint and recorded and recorded != target.fingerprint()["tokenizer_sha256"]:
         problems.append(f"trained for a different tokenizer (target {config.target.get('name')!r}); "

@@ -36,6 +36,19 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return sorted({min(max(i, 0), num_target_layers - 2) for i in ids})  # never repeated, never the last layer
 
 
+def layer_shape(target, intermediate_size: int | None = None) -> dict:
+    """The config fields a draft layer copies from `target` (a TargetAdapter): sizes, heads,
+    norm epsilon, RoPE, context length, vocabulary and the target's fingerprint."""
+    tc = target.config
+    heads = tc.num_attention_heads
+    return dict(hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+                num_attention_heads=heads, num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+                head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+                vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+                rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=target.rope_theta,
+                max_position_embeddings=target.max_context, target=target.fingerprint())
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -61,24 +74,12 @@ class DFlashConfig:
     def for_target(cls, target, *, num_layers: int = 1, block_size: int = 16, mask_token_id: int | None = None,
                    target_layer_ids: list[int] | None = None, intermediate_size: int | None = None) -> "DFlashConfig":
         """A drafter shaped to fit `target` (a TargetAdapter)."""
-        tc = target.config
-        heads = tc.num_attention_heads
         return cls(
-            hidden_size=target.hidden_size,
-            intermediate_size=intermediate_size or tc.intermediate_size,
+            **layer_shape(target, intermediate_size),
             num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-            vocab_size=target.vocab_size,
-            num_target_layers=target.num_layers,
             target_layer_ids=target_layer_ids or default_target_layer_ids(target.num_layers, num_layers),
             mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
             block_size=block_size,
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            rope_theta=target.rope_theta,
-            max_position_embeddings=target.max_context,
-            target=target.fingerprint(),
         )
 
     def to_hf_dict(self) -> dict:
@@ -338,13 +339,6 @@ class DFlashDrafter(Drafter):
 def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> None:
     """Raise DrafterMismatchError naming exactly what does not fit `target`."""
     problems = fit_problems(config, target, check_fingerprint)
-    ids = list(config.target_layer_ids)
-    if not ids or ids != sorted(set(ids)):
-        problems.append(f"target_layer_ids {ids} must be strictly increasing without repeats (serving engines "
-                        "capture each layer once, in order)")
-    bad_ids = [i for i in ids if not 0 <= i < target.num_layers]
-    if bad_ids:
-        problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")
     if not 0 <= config.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} outside the target's vocabulary")
     if problems:

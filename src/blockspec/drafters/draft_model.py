@@ -14,8 +14,8 @@ import copy
 
 import torch
 
-from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.drafters.base import Draft, Drafter, TokenPicker
 from blockspec.errors import DrafterMismatchError
 
 
@@ -61,26 +61,15 @@ class DraftModelDrafter(Drafter):
         self._fed = committed[:keep]
         logits = self.draft.forward(token_ids[keep:], (), last_logits_only=True).logits[-1]
         self._fed += committed[keep:]
-        tokens, rows = [], []
-        greedy = params.greedy
+        pick = TokenPicker(params, generator, self.target.vocab_size)  # a forced smaller vocabulary: padded
         for index in range(num_drafts):
-            if greedy:
-                token = int(logits.argmax())
-            else:
-                probs = warp_probs(logits[None].float(), params)
-                rows.append(probs[0])
-                token = int(sample(probs, generator)[0])
-            tokens.append(token)
+            token = pick(logits[None])
             if index + 1 < num_drafts:
                 logits = self.draft.forward(torch.tensor([token]), ()).logits[-1]
                 self._fed.append(token)
         # no rollback here: the next proposal rolls back to what the verifier kept (a
         # sliding-window cache can only drop tokens run since its last rollback)
-        draft_tokens = torch.tensor(tokens, dtype=torch.long)
-        if greedy:
-            return Draft(tokens=draft_tokens)
-        probs = on_target_vocabulary(torch.stack(rows), self.target.vocab_size)  # a forced smaller vocabulary
-        return Draft(tokens=draft_tokens, probs=probs.cpu())
+        return pick.draft()
 
 
 def load_draft_model(spec: str, target, **options) -> DraftModelDrafter:

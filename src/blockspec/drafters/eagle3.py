@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.drafters.base import Draft, Drafter, TokenPicker
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
-from blockspec.drafters.dflash import DFlashMLP, _apply_rope, rope_cos_sin
+from blockspec.drafters.dflash import DFlashMLP, _apply_rope, layer_shape, rope_cos_sin
 from blockspec.errors import DrafterMismatchError
 
 
@@ -73,15 +73,9 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target, *, block_size: int = 8, target_layer_ids: list[int] | None = None,
                    intermediate_size: int | None = None) -> "Eagle3Config":
-        tc = target.config
-        heads = tc.num_attention_heads
-        return cls(hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
-                   num_attention_heads=heads, num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-                   vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+        return cls(**layer_shape(target, intermediate_size),
                    target_layer_ids=list(target_layer_ids or default_eagle3_layer_ids(target.num_layers)),
-                   rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=target.rope_theta,
-                   max_position_embeddings=target.max_context, block_size=block_size, target=target.fingerprint())
+                   block_size=block_size)
 
     def to_hf_dict(self) -> dict:
         """config.json as vLLM's and SGLang's EAGLE-3 Llama readers expect it."""
@@ -230,9 +224,6 @@ class Eagle3Drafter(Drafter):
     def __init__(self, model: Eagle3DraftModel, target, *, force: bool = False):
         config = model.config
         problems = fit_problems(config, target, check_fingerprint=not force)
-        bad_ids = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
-        if bad_ids:
-            problems.append(f"target_layer_ids {bad_ids} outside 0..{target.num_layers - 1}")
         if problems:
             raise DrafterMismatchError("EAGLE-3 drafter does not fit the target: " + "; ".join(problems))
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
@@ -256,29 +247,14 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
-        rows = []
-
-        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
-            if params.greedy:
-                return logits.argmax(-1)
-            probs = warp_probs(logits, params)
-            rows.append(probs[0])
-            return sample(probs, generator)
-
-        choices = self.unroll(token_ids, num_drafts, pick)
-        draft_tokens = torch.tensor([int(self.to_target_ids(c)) for c in choices], dtype=torch.long)
-        if params.greedy or not rows:
-            return Draft(tokens=draft_tokens)
-        probs = on_target_vocabulary(torch.stack(rows), self.target.vocab_size, self._d2t)
-        return Draft(tokens=draft_tokens, probs=probs.cpu())
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self._d2t is None else self._d2t[draft_ids]
+        pick = TokenPicker(params, generator, self.target.vocab_size, self._d2t)
+        self.unroll(token_ids, num_drafts, lambda step, logits: pick(logits))
+        return pick.draft()
 
     @torch.inference_mode()
-    def unroll(self, token_ids: torch.Tensor, num_drafts: int, pick) -> list[torch.Tensor]:
+    def unroll(self, token_ids: torch.Tensor, num_drafts: int, pick) -> None:
         """Bring the cache up to the committed tokens, then run `num_drafts` steps; `pick(step,
-        logits [1, V'])` chooses each step's draft index (it is fed back as the next input)."""
+        logits [1, V'])` chooses each step's token (a target id), fed back as the next input."""
         device, dtype = self.target.device, self.target.dtype
         features = torch.cat(self._unseen).to(device, dtype)
         self._unseen = []
@@ -296,17 +272,13 @@ class Eagle3Drafter(Drafter):
         self._values = v if self._values is None else torch.cat([self._values, v], dim=2)
         chain_k, chain_v = self._keys, self._values  # committed + this chain's drafted steps
         h = h[:, -1:]
-        choices = []
         for step in range(num_drafts):
-            choice = pick(step, self._logits(h[0]))
-            choices.append(choice)
+            token = int(pick(step, self._logits(h[0])))
             if step == num_drafts - 1:
                 break
-            token = self.to_target_ids(choice).view(1, 1).to(device)
-            h, k, v = self.model(self.target.embed(token), h, torch.tensor([[n + step]], device=device),
-                                 chain_k, chain_v)
+            h, k, v = self.model(self.target.embed(torch.tensor([[token]], device=device)), h,
+                                 torch.tensor([[n + step]], device=device), chain_k, chain_v)
             chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
-        return choices
 
 
 def load_eagle3(directory, target, **options) -> Eagle3Drafter:

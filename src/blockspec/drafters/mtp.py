@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.drafters.base import Draft, Drafter, TokenPicker
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.errors import DrafterMismatchError
 
@@ -123,23 +123,12 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
         hidden, token = self._hidden, token_ids[-1:]
-        tokens, rows = [], []
+        pick = TokenPicker(params, generator, self.target.vocab_size, self._d2t)
         for _ in range(num_drafts):
             hidden = self.model.step(hidden, self.target.embed(token.to(self.target.device))[0])
             logits = F.linear(self.model.norm(hidden), self._head_weight, self._head_bias).float()[None]
-            if params.greedy:
-                choice = logits.argmax(-1)
-            else:
-                probs = warp_probs(logits, params)
-                choice = sample(probs, generator)
-                rows.append(probs[0])
-            token = choice if self._d2t is None else self._d2t[choice]
-            tokens.append(int(token))
-        draft_tokens = torch.tensor(tokens, dtype=torch.long)
-        if params.greedy or not rows:
-            return Draft(tokens=draft_tokens)
-        probs = on_target_vocabulary(torch.stack(rows), self.target.vocab_size, self._d2t)
-        return Draft(tokens=draft_tokens, probs=probs.cpu())
+            token = torch.tensor([pick(logits)])
+        return pick.draft()
 
 
 def load_mtp(directory, target, **options) -> MTPDrafter:

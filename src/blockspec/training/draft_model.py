@@ -118,12 +118,7 @@ class DraftModelTrainer(DFlashTrainer):
         targets = labels[:, 1:].to(device)
         valid = targets != IGNORE
         per_token = F.cross_entropy(logits[valid], targets[valid], reduction="sum")
-        count = valid.sum().to(torch.float32)
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            count = count.detach().clone()
-            dist.all_reduce(count)  # the global normaliser: N processes = one process over the whole batch
+        count = self.global_sum(valid.sum().to(torch.float32))
         loss = per_token / count.clamp_min(1.0)
         with torch.no_grad():
             acc = float((logits[valid].argmax(-1) == targets[valid]).float().mean()) if bool(valid.any()) else 0.0

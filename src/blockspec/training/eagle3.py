@@ -106,20 +106,12 @@ class Eagle3Trainer(DFlashTrainer):
             context_k, context_v = k_all[rows_t], v_all[rows_t]  # [C, kv, T-1, d]: step 1's keys
             context_mask = torch.arange(width - 1, device=device)[None] <= js_t[:, None]  # up to j
             chain_k, chain_v = [], []
-            t2d = self.t2d.to(device)
             for step in range(1, config.block_size):
                 label_at = js_t + step + 1  # x[a + step]
                 labels = torch.where(label_at < lengths[rows_t], ids[rows_t, label_at.clamp(max=width - 1)], IGNORE)
-                mapped = torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
-                valid = mapped >= 0
-                if bool(valid.any()):
-                    logits = F.linear(self.model.norm(h[:, 0][valid]), *self._head).float()
-                    weight = float(self.weights[step])
-                    total = total + weight * F.cross_entropy(logits, mapped[valid], reduction="sum")
-                    weight_sum = weight_sum + weight * valid.sum()
-                    with torch.no_grad():
-                        correct += int((logits.argmax(-1) == mapped[valid]).sum())
-                        counted += int(valid.sum())
+                loss, weight, right, count = self.head_loss(h[:, 0], self.draft_labels(labels),
+                                                            float(self.weights[step]))
+                total, weight_sum, correct, counted = total + loss, weight_sum + weight, correct + right, counted + count
                 if step == config.block_size - 1 or not bool((label_at < lengths[rows_t]).any()):
                     break
                 # the next step: the true token it just predicted, its own hidden state, one position on
@@ -130,10 +122,6 @@ class Eagle3Trainer(DFlashTrainer):
                                      torch.cat([context_v, *chain_v], dim=2), mask[:, None, None])
                 chain_k.append(k)
                 chain_v.append(v)
-        if self.world_size > 1:  # every rank calls this, whatever its batch held
-            import torch.distributed as dist
-
-            weight_sum = weight_sum.detach().clone()
-            dist.all_reduce(weight_sum)  # the global normaliser, as in the DFlash loss
-        loss = total / weight_sum.detach().clamp_min(1e-8)
+        weight_sum = self.global_sum(weight_sum)  # every rank calls this, whatever its batch held
+        loss = total / weight_sum.clamp_min(1e-8)
         return loss, {"loss": float(loss.detach()), "acc": correct / counted if counted else 0.0}

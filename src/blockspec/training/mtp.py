@@ -63,21 +63,9 @@ class MTPTrainer(DFlashTrainer):
             with torch.no_grad():
                 embeds = self.target.embed(inputs.clamp_min(0))
             hidden = self.model.step(hidden, embeds)
-            mapped = torch.where(labels == IGNORE, IGNORE, self.t2d.to(device)[labels.clamp_min(0)])
-            valid = alive & (mapped >= 0)
-            if not bool(valid.any()):
-                continue
-            logits = F.linear(self.model.norm(hidden[valid]), *self._head).float()
-            weight = float(self.weights[k])
-            total = total + weight * F.cross_entropy(logits, mapped[valid], reduction="sum")
-            weight_sum = weight_sum + weight * valid.sum()
-            with torch.no_grad():
-                correct += int((logits.argmax(-1) == mapped[valid]).sum())
-                counted += int(valid.sum())
-        if self.world_size > 1:  # every rank calls this, whatever its batch held
-            import torch.distributed as dist
-
-            weight_sum = weight_sum.detach().clone()
-            dist.all_reduce(weight_sum)  # the global normaliser, as in the DFlash loss
-        loss = total / weight_sum.detach().clamp_min(1e-8)
+            mapped = torch.where(alive, self.draft_labels(labels), IGNORE)
+            loss, weight, right, count = self.head_loss(hidden, mapped, float(self.weights[k]))
+            total, weight_sum, correct, counted = total + loss, weight_sum + weight, correct + right, counted + count
+        weight_sum = self.global_sum(weight_sum)  # every rank calls this, whatever its batch held
+        loss = total / weight_sum.clamp_min(1e-8)
         return loss, {"loss": float(loss.detach()), "acc": correct / counted if counted else 0.0}

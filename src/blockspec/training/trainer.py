@@ -296,6 +296,35 @@ class DFlashTrainer:
                 dist.all_reduce(parameter.grad)
                 parameter.grad /= self.world_size
 
+    # --- what the losses share ----------------------------------------------------------
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft-vocabulary indices (-1: outside it, no label; IGNORE stays)."""
+        t2d = self.t2d.to(labels.device)
+        return torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
+
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (detached) summed over every process: the loss normaliser with which N
+        processes together compute exactly one process's loss over the whole batch."""
+        value = value.detach().clone()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(value)
+        return value
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weight: float):
+        """For the drafters that draft token by token (one step of MTP / EAGLE-3): weight x the
+        summed cross-entropy of the borrowed head on norm(hidden) [n, H] against draft-vocabulary
+        `labels` [n] (rows without a label skipped). Returns (loss sum, weight sum, correct, counted)."""
+        valid = labels >= 0
+        if not bool(valid.any()):
+            return 0.0, 0.0, 0, 0
+        logits = F.linear(self.model.norm(hidden[valid]), *self._head).float()
+        loss = weight * F.cross_entropy(logits, labels[valid], reduction="sum")
+        with torch.no_grad():
+            correct = int((logits.argmax(-1) == labels[valid]).sum())
+        return loss, weight * valid.sum(), correct, int(valid.sum())
+
     def _warm_start(self, folder: str) -> None:
         try:
             source = type(self.model).from_pretrained(folder)
@@ -412,7 +441,7 @@ class DFlashTrainer:
             embeds = self.target.embed(block_ids.to(device))
         hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
         weights = self.weights.repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
-        labels = torch.where(labels == IGNORE, IGNORE, self.t2d[labels.clamp_min(0)])
+        labels = self.draft_labels(labels)
         valid = labels >= 0  # has a label, inside the draft vocabulary
         logits = F.linear(hidden[valid], *self._head).float()  # only rows with a label
         targets = labels[valid].to(device)
@@ -424,13 +453,7 @@ class DFlashTrainer:
         else:
             per_token = F.cross_entropy(logits, targets, reduction="none")
         w = weights[valid].to(device)
-        weight_sum = w.sum().detach()
-        if self.world_size > 1:
-            # Normalise by the GLOBAL weight sum so that the ranks together compute
-            # exactly the loss of one process over the whole batch.
-            import torch.distributed as dist
-
-            dist.all_reduce(weight_sum)
+        weight_sum = self.global_sum(w.sum())
         loss = (per_token * w).sum() / weight_sum.clamp_min(1e-8)
         with torch.no_grad():
             correct = (logits.argmax(-1) == targets).float()
