@@ -10,6 +10,7 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
+from blockspec.drafters.base import Drafter
 from blockspec.targets.adapter import TargetAdapter
 
 transformers.utils.logging.set_verbosity_error()
@@ -65,7 +66,7 @@ def arch_target(request) -> TargetAdapter:
     return tiny_target(request.param)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Test helper: proposes the known reference continuation, corrupted at a random
     position in most steps, so every accept length (0..B-1) gets exercised."""
 

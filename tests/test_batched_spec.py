@@ -51,7 +51,7 @@ def test_every_row_equals_greedy_decoding_alone(arch, kind):
 def test_compaction_keeps_outputs_and_shrinks_the_cache():
     target = tiny_target("llama")
     drafter = make_drafter("dflash", target, PROMPTS[0], None)  # random drafts: most slots become holes
-    engine = BatchedSpecEngine(target, drafter, block_size=8, max_batch=4, adaptive=False, token_budget=None)
+    engine = BatchedSpecEngine(target, drafter, block_size=8, max_batch=4, adaptive=False)
     outputs = [collect(engine, p, 60) for p in PROMPTS]
     widths = []
     while engine.busy:
@@ -116,36 +116,109 @@ def test_serving_bench_closed_loop_counts_every_token(tmp_path):
     assert (tmp_path / "serving.png").stat().st_size > 0 and "speculative" in (tmp_path / "serving.md").read_text()
 
 
-@pytest.mark.parametrize("plain_seconds, retry_every", [(1.0, 16), (1.8, 4)], ids=["clear", "close"])
-def test_mode_chooser_tries_both_then_runs_the_faster_and_re_tries_the_other(plain_seconds, retry_every):
-    from blockspec.decoding.batched_spec import ModeChooser
+def measured_planner(verify_ms: dict[int, float], draft_ms: dict[int, float], max_drafts: int = 7):
+    """A DraftPlanner that has measured these verify costs and drafting costs (both by size
+    bucket: query tokens of the verify pass, drafted positions)."""
+    from blockspec.decoding.planner import DraftPlanner
 
-    chooser = ModeChooser(warmup=2, explore_every=4, margin=0.15)
-    seconds = {True: 2.0, False: plain_seconds}  # plain steps are faster at batch 4: 2x (clear) or 1.1x (close)
-    picks = []
-    for _ in range(40):
-        drafting = chooser.choose(4)
-        picks.append(drafting)
-        chooser.record(4, drafting, tokens=10, seconds=seconds[drafting])
-    assert picks[:4] == [True, True, False, False]  # warm-up: each mode twice
-    # then plain steps, with a re-try of drafting every 4 steps, or every 16 once plain is clearly faster
-    assert [step for step, drafting in enumerate(picks, 1) if drafting and step > 4] == \
-        [step for step in range(5, 41) if step % retry_every == 0]
-    assert chooser.choose(1) is True  # another batch size is measured on its own
+    planner = DraftPlanner(max_drafts)
+    for bucket, ms in verify_ms.items():
+        planner.verify.record(bucket, ms / 1000, planner.now)
+    for bucket, ms in draft_ms.items():
+        planner.drafting.record(bucket, ms / 1000, planner.now)
+    return planner
 
 
-class ScriptedChooser:
-    """Drafting on the first step and from step `resume` on, plain in between (records nothing)."""
+def evidence(rate: float, trials: float = 50.0, positions: int = 7):
+    """A row that accepted a `rate` share of the `trials` times each position was reached."""
+    from blockspec.decoding.planner import AcceptanceEvidence
+
+    return AcceptanceEvidence([rate * trials] * positions, [trials] * positions)
+
+
+# costs measured on this repo's CPU for the default target (ms): flat to 8 query tokens, then growing
+CPU_VERIFY = {1: 56, 2: 60, 4: 69, 8: 80, 16: 115, 32: 146, 64: 260}
+CPU_DRAFT = {2: 8, 4: 9, 8: 11, 16: 14, 32: 20, 64: 32}
+
+
+def test_planner_drafts_a_full_block_for_one_predictable_row_and_nothing_under_load():
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
+    assert planner.plan([(evidence(0.8), 7)]) == [7]  # batch 1: a wider pass is nearly free
+    assert planner.plan([(evidence(0.8), 3)]) == [3]  # never past what the row may still draft
+    assert planner.plan([(evidence(0.05), 7)]) == [0]  # a row that accepts nothing decodes plainly
+    # 8 rows of modest acceptance: 16+ query tokens cost more than the drafts bring
+    assert planner.plan([(evidence(0.4), 7)] * 8) == [0] * 8
+
+
+def test_planner_lets_only_the_rows_that_pay_draft():
+    planner = measured_planner({1: 50, 2: 50, 4: 50, 8: 50, 16: 50}, {8: 20, 16: 40, 32: 80})
+    plan = planner.plan([(evidence(0.05), 7), (evidence(0.9), 7), None, (evidence(0.1), 7)])
+    assert plan[1] > 0 and plan[0] == plan[2] == plan[3] == 0  # None: a row with no drafter
+
+
+def test_planner_tries_a_size_it_has_not_measured_then_follows_the_measurement():
+    planner = measured_planner({4: 70}, {2: 5})
+    rows = [(evidence(0.6), 1)] * 4
+    assert planner.plan(rows) == [1] * 4  # a pass of 8 tokens was never measured: optimistic, so tried
+    planner.record(query_tokens=8, verify_seconds=0.300, drafted_positions=8, drafting_seconds=0.02)
+    assert planner.plan(rows) == [0] * 4  # measured far slower: plain steps
+    planner.now += planner.verify.stale_after + 1
+    planner.verify.record(4, 0.070, planner.now)
+    assert planner.plan(rows) == [1] * 4  # a stale measurement is re-taken
+
+
+def test_planner_starts_drafting_before_anything_is_measured():
+    from blockspec.decoding.planner import DraftPlanner
+
+    assert DraftPlanner(5).plan([(evidence(0.0, 0.0), 5), (evidence(0.0, 0.0), 2)]) == [5, 2]
+
+
+def test_expected_acceptance_follows_each_positions_rate():
+    from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
+
+    planner = DraftPlanner(3)
+    row = AcceptanceEvidence([90.0, 45.0, 0.0], [100.0, 90.0, 45.0])  # 0.9, then 0.5, then never
+    rates = planner.acceptance_rates(row, 3)
+    assert rates == pytest.approx([90.5 / 101, 45.5 / 91, 0.5 / 46])
+    assert planner.expected_accepted(row, 2) == pytest.approx(rates[0] + rates[0] * rates[1])
+
+
+def test_a_row_that_stopped_drafting_is_probed_again_as_its_evidence_ages():
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
+    planner.pooled = evidence(0.8)
+    row = evidence(0.02, trials=10.0)
+    plans = []
+    for _ in range(30):
+        plans.append(planner.plan([(row, 7)])[0])
+        planner.age(row)
+    assert plans[0] == 0 and plans[-1] > 0  # it drifted back towards the pooled rate
+
+
+def test_planner_evidence_counts_reached_positions():
+    from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
+
+    planner, row = DraftPlanner(7), AcceptanceEvidence()
+    planner.observe(row, drafted=5, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4-5 never reached
+    planner.observe(row, drafted=3, accepted=3)  # all accepted: nothing rejected
+    assert (row.hits, row.trials) == ([2, 2, 1], [2, 2, 2])
+    assert planner.pooled.hits[:3] == pytest.approx([0.98 + 1, 0.98 + 1, 1])  # pooled, decayed per observation
+
+
+class ScriptedPlanner:
+    """Full drafts on the first step and from step `resume` on, plain in between."""
 
     def __init__(self, resume):
-        self.resume, self.step = resume, 0
+        from blockspec.decoding.planner import DraftPlanner
 
-    def choose(self, batch):
+        self.planner, self.resume, self.step = DraftPlanner(7), resume, 0
+
+    def plan(self, rows):
         self.step += 1
-        return self.step == 1 or self.step >= self.resume
+        drafting = self.step == 1 or self.step >= self.resume
+        return [row[1] if row is not None and drafting else 0 for row in rows]
 
-    def record(self, *args, **kwargs):
-        pass
+    def __getattr__(self, name):  # ageing, observing and recording as the real planner does
+        return getattr(self.planner, name)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "mtp", "draft-model", "oracle", "eagle3"])
@@ -154,27 +227,51 @@ def test_plain_steps_defer_the_drafter_and_outputs_stay_greedy(kind):
     references = [hf_greedy(target.model, p, 30, EOS) for p in PROMPTS]
     drafter = make_drafter(kind, target, PROMPTS[1], references[1])
     calls = {"accept": 0, "propose": 0}
-    originals = type(drafter).accept, type(drafter).propose
+    originals = type(drafter).accept, type(drafter).propose_many
 
     class Spy(type(drafter)):
         def accept(self, *args):
             calls["accept"] += 1
             return originals[0](self, *args)
 
-        def propose(self, *args):
-            calls["propose"] += 1
-            return originals[1](self, *args)
+        def propose_many(self, forks, requests):
+            calls["propose"] += len(forks)
+            return originals[1](self, forks, requests)
 
     drafter.__class__ = Spy
     engine = BatchedSpecEngine(target, drafter, block_size=5, max_batch=4,
-                               mode_chooser=ScriptedChooser(resume=20))
+                               planner=ScriptedPlanner(resume=20))
     outputs = [collect(engine, p, 30) for p in PROMPTS]
     for _ in range(8):  # one drafting step, then plain ones: the drafters are not called
         engine.step()
     proposals_after_first_step = calls["propose"]
     assert calls["accept"] == 0 and proposals_after_first_step <= len(PROMPTS)
-    engine.run()  # drafting again from step 20 (rows that accepted nothing re-probe after 16 idle steps)
+    engine.run()  # drafting again from step 20
     assert calls["propose"] > proposals_after_first_step
     assert calls["accept"] <= calls["propose"]  # one catch-up per drafting row at most
     for prompt, out, reference in zip(PROMPTS, outputs, references):
         assert_same_or_near_tie(target.model, prompt, out["tokens"], reference)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled-drafts"])
+def test_dflash_drafts_every_row_in_one_pass_as_it_would_alone(sampled):
+    import torch
+
+    target = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
+    drafter = dflash(target, sample_drafts=sampled, draft_vocab=list(range(0, VOCAB, 2)))
+    width = len(drafter.target_layer_ids) * target.hidden_size
+    forks, requests = [], []
+    torch.manual_seed(0)
+    for prompt, num_drafts in zip(PROMPTS, [2, 1, 2, 1]):  # contexts of 1 to 23 tokens, ragged blocks
+        prompt = [token % VOCAB for token in prompt]
+        fork = drafter.fork()
+        fork.begin(torch.tensor(prompt), torch.randn(len(prompt), width))
+        forks.append(fork)
+        params = SamplingParams(temperature=1.0, top_k=5, seed=7) if sampled else SamplingParams()
+        requests.append((torch.tensor(prompt), num_drafts, params, params.generator() if sampled else None))
+    together = drafter.propose_many(forks, requests)
+    for i, (fork, (ids, num_drafts, params, _)) in enumerate(zip(forks, requests)):
+        alone = fork.propose(ids, num_drafts, params, params.generator() if sampled else None)
+        assert together[i].tokens.tolist() == alone.tokens.tolist()
+        if sampled:  # the distributions the rejection sampler reads agree too
+            torch.testing.assert_close(together[i].probs, alone.probs, atol=1e-5, rtol=1e-4)

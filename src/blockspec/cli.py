@@ -149,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--dataset", default="gsm8k")
     serving.add_argument("--data-dir", default=None)
     serving.add_argument("--seed", type=int, default=0)
-    serving.add_argument("--token-budget", type=_positive_int, default=8,
-                         help="at most this many query tokens per batched verify pass (drafting shrinks under load)")
     serving.add_argument("--output", default="runs/bench-serve")
     serving.set_defaults(run=_bench_serve)
 
@@ -392,10 +390,10 @@ def _bench_serve(args) -> int:
     prompts = [decoder.target.encode_prompt(p.turns[0])
                for p in load_prompts(args.dataset, args.data_dir, args.requests, args.seed)]
     rows = serving_bench(decoder.target, decoder.drafter, prompts, levels, decoder.block_size, args.max_new_tokens,
-                         args.token_budget, args.repeats)
+                         args.repeats)
     meta = {"command": " ".join(sys.argv), "machine": machine_description(), "drafter": decoder.drafter.name,
             "block_size": decoder.block_size, "requests": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "token_budget": args.token_budget, "repeats": args.repeats}
+            "repeats": args.repeats}
     print(report_serving(rows, Path(args.output), meta))
     return 0
 

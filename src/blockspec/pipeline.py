@@ -212,12 +212,12 @@ def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> li
     return tokens
 
 
-def load(target: str = DEFAULT_TARGET, drafter: str = "auto", *, block_size: int | None = None,
+def load(target: str = DEFAULT_TARGET, drafter: str | None = "auto", *, block_size: int | None = None,
          device: str = "cpu", dtype: str = "float32", threads: int | None = None,
          trust_remote_code: bool = False, context_window: int | None = None,
          force_drafter: bool = False) -> SpecDecoder:
     """Load a target and a drafter. `drafter`: 'auto' (the shipped drafter for this
-    target, else prompt lookup), 'none', 'prompt-lookup', or a drafter folder."""
+    target, else prompt lookup), 'none' (or None), 'prompt-lookup', or a drafter folder."""
     target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
                                  trust_remote_code=trust_remote_code)
     options = {"context_window": context_window} if context_window else {}

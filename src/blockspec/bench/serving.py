@@ -6,7 +6,9 @@ ends, until every request is served. Configurations alternate (baseline, specula
 then speculative, baseline, ...) per concurrency level, `repeats` times, so machine
 drift hits both alike. Reported per configuration: the median over repeats of output
 tokens/s, per-request latency (median and p90 over every request of every repeat), and
-the speculative / baseline throughput ratio (of those medians).
+the speculative / baseline throughput ratio (of those medians). The speculative runs share
+one `DraftPlanner`, as a server's long-lived engine does, so what it measured in earlier
+runs (costs, acceptance) carries over; the first run at each level starts from less.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from blockspec.decoding.batched_spec import BatchedSpecEngine
+from blockspec.decoding.planner import DraftPlanner
 
 
 def run_closed_loop(engine: BatchedSpecEngine, prompts: list[list[int]], concurrency: int,
@@ -54,15 +57,17 @@ def run_closed_loop(engine: BatchedSpecEngine, prompts: list[list[int]], concurr
 
 
 def serving_bench(target, drafter, prompts: list[list[int]], concurrency_levels: list[int], block_size: int,
-                  max_new_tokens: int, token_budget: int | None = 8, repeats: int = 1) -> list[dict]:
+                  max_new_tokens: int, repeats: int = 1) -> list[dict]:
     rows = []
     configurations = (("baseline", None), ("speculative", drafter))
+    # one planner for every speculative run, as a server's engine keeps its own for its whole
+    # life: what it measured (the cost of each verify size, the drafter's acceptance) carries over
+    planner = DraftPlanner(block_size - 1)
     for concurrency in tqdm(concurrency_levels, desc="serving bench", unit="level"):
         runs: dict[str, list[dict]] = {name: [] for name, _ in configurations}
         for repeat in range(repeats):
             for name, use_drafter in configurations[::1 if repeat % 2 == 0 else -1]:
-                engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency,
-                                           token_budget=token_budget)
+                engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency, planner=planner)
                 runs[name].append(run_closed_loop(engine, prompts, concurrency, max_new_tokens))
         for name, _ in configurations:
             done = runs[name]

@@ -9,13 +9,13 @@ become holes that the mask hides (keys are rotated at their own positions when w
 so where a slot sits does not matter). When holes pile up the cache is compacted. Each
 row drafts on its own (a drafter's state is per sequence); the target pass is shared.
 
-When drafting pays is decided twice. Per row, the number of drafts follows its recent
-acceptance, down to none. Per batch size, `ModeChooser` measures the tokens/s of steps
-with drafting and of plain steps (no row drafts) and runs the faster, re-trying the
-other now and then: on a CPU a verify pass over many rows x tokens costs more, and
-drafting row by row adds up, so at high load plain batched decoding can win. A row's
-drafter state is only brought up to date when it drafts next (the committed tokens and
-their features wait), so plain steps cost what the non-speculative engine costs.
+How many tokens each row drafts is planned every step (`DraftPlanner`): the count that
+maximises expected committed tokens per second, from each row's recent acceptance and
+the measured cost of verify passes and of drafting on this machine. Under load, on a CPU,
+a wider verify pass costs more than the drafts bring, and the plan becomes plain batched
+decoding. A row's drafter state is only brought up to date when it drafts next (the
+committed tokens and their features wait), so plain steps cost what the non-speculative
+engine costs.
 
 Only full-attention targets (no sliding-window layers): those are rejected up front.
 At T=0 every row equals the single-sequence engine's output up to the float rounding a
@@ -24,14 +24,14 @@ batched pass can move (the near-tie rule of the tests).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from blockspec.decoding.engine import check_request, committed_tokens, record_logprobs, verify
+from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
 from blockspec.decoding.sampling import SamplingParams, next_token
 from blockspec.drafters.base import Draft
 from blockspec.decoding.stats import GenerationStats
@@ -52,8 +52,7 @@ class BatchRow:
     stats: GenerationStats = None
     logprobs: list | None = None
     top_logprobs: int = 0
-    accept_ema: float = -1.0  # recent accepted drafts per step (-1: no history yet)
-    idle_steps: int = 0  # steps since this row last drafted
+    acceptance: AcceptanceEvidence = field(default_factory=AcceptanceEvidence)  # for the planner
     # committed since the drafter last saw the sequence (ids, features): it catches up, in one
     # call, only when it drafts next, so plain steps cost no drafter work
     unseen_ids: list = None
@@ -63,63 +62,17 @@ class BatchRow:
     decode_started: float = 0.0
 
 
-PROBE_EVERY = 16
-
-
-class ModeChooser:
-    """Per batch size: drafting or plain steps, whichever measured more tokens/s.
-
-    Each mode is tried `warmup` times at a batch size before comparing; then the faster
-    runs, and the slower is re-tried every `explore_every` steps at that size (acceptance
-    and the machine drift), or only every `4 * explore_every` once one is clearly (by
-    more than `margin`) faster: re-trying a clear loser costs throughput. A mode's rate
-    is its tokens over its seconds, both decayed by `decay` per step of that mode (a
-    ratio of sums: one lucky step does not flip it)."""
-
-    def __init__(self, warmup: int = 3, explore_every: int = 16, decay: float = 0.9, margin: float = 0.15):
-        self.warmup, self.explore_every, self.decay, self.margin = warmup, explore_every, decay, margin
-        self.totals: dict[int, dict[bool, list[float]]] = {}  # batch size -> {drafting: [tokens, seconds]}
-        self.samples: dict[int, dict[bool, int]] = {}
-        self.steps: dict[int, int] = {}
-
-    def rate(self, batch: int, drafting: bool) -> float:
-        tokens, seconds = self.totals[batch][drafting]
-        return tokens / max(seconds, 1e-9)
-
-    def choose(self, batch: int) -> bool:
-        """True: this step drafts."""
-        samples = self.samples.setdefault(batch, {True: 0, False: 0})
-        step = self.steps[batch] = self.steps.get(batch, 0) + 1
-        for drafting in (True, False):
-            if samples[drafting] < self.warmup:
-                return drafting
-        drafting, plain = self.rate(batch, True), self.rate(batch, False)
-        best = drafting >= plain
-        clear = max(drafting, plain) > (1 + self.margin) * min(drafting, plain)
-        return (not best) if step % (self.explore_every * (4 if clear else 1)) == 0 else best
-
-    def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
-        totals = self.totals.setdefault(batch, {True: [0.0, 0.0], False: [0.0, 0.0]})[drafting]
-        totals[0] = self.decay * totals[0] + tokens
-        totals[1] = self.decay * totals[1] + seconds
-        self.samples.setdefault(batch, {True: 0, False: 0})[drafting] += 1
-
-
 class BatchedSpecEngine:
     def __init__(self, target, drafter=None, block_size: int = 8, max_batch: int = 8, adaptive: bool = True,
-                 token_budget: int | None = 8, mode_chooser: ModeChooser | None = None):
-        """`token_budget`: at most this many query tokens per verify pass over the whole batch
-        (anchors included; None: no cap). A verify pass costs more the more tokens it holds,
-        while a plain batched step already amortises the weights over the batch: under load
-        each row drafts less, down to none (plain batched decoding). `adaptive`: per-row
-        draft counts from recent acceptance, and (`mode_chooser`, a new ModeChooser if
-        None) drafting only at the batch sizes where it measured faster than plain steps."""
+                 planner: DraftPlanner | None = None):
+        """`adaptive`: each step's draft counts come from `planner` (a new DraftPlanner if
+        None), down to none; otherwise every row drafts a full block every step."""
         if block_size < 1:
             raise InvalidArgumentError(f"block size must be >= 1, got {block_size}")
         self.target, self.drafter = target, drafter
         self.block_size = block_size if drafter is not None else 1
-        self.max_batch, self.adaptive, self.token_budget = max_batch, adaptive, token_budget
-        self.mode_chooser = (mode_chooser or ModeChooser()) if adaptive and drafter is not None else None
+        self.max_batch = max_batch
+        self.planner = (planner or DraftPlanner(self.block_size - 1)) if adaptive and drafter is not None else None
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
         self.rows: list[BatchRow] = []
         self.waiting: list[BatchRow] = []
@@ -221,22 +174,13 @@ class BatchedSpecEngine:
         self.valid = torch.nn.functional.pad(self.valid, (0, width - current))
 
     # --- one step -------------------------------------------------------------------------
-    def _num_drafts(self, row: BatchRow) -> int:
-        left = row.max_new_tokens - row.stats.new_tokens - 1
-        drafts = min(self.block_size - 1, left)
-        if self.token_budget is not None:  # the batch's share of the verify pass
-            drafts = min(drafts, max(0, self.token_budget // max(1, len(self.rows)) - 1))
-        if self.adaptive and row.accept_ema >= 0:
-            # draft about twice what this row recently accepted (+1 to keep probing); none when
-            # it accepts almost nothing, so a row that does not profit costs a plain decode step,
-            # with one probe every PROBE_EVERY steps in case its text became predictable
-            if row.accept_ema > 0.05:
-                drafts = min(drafts, math.ceil(2 * row.accept_ema + 1))
-            elif row.idle_steps < PROBE_EVERY:
-                drafts = 0
-            else:
-                drafts = min(drafts, 2)
-        return max(drafts, 0)
+    def _plan(self) -> list[int]:
+        # never draft past max_new_tokens: accepted drafts + bonus <= what is left
+        allowed = [min(self.block_size - 1, row.max_new_tokens - row.stats.new_tokens - 1) for row in self.rows]
+        if self.planner is None:
+            return [count if row.drafter is not None else 0 for row, count in zip(self.rows, allowed)]
+        return self.planner.plan([(row.acceptance, count) if row.drafter is not None else None
+                                  for row, count in zip(self.rows, allowed)])
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -247,16 +191,19 @@ class BatchedSpecEngine:
             return
         started = time.perf_counter()
         batch = len(self.rows)
-        drafting = self.mode_chooser.choose(batch) if self.mode_chooser is not None else self.drafter is not None
-        drafts = []
-        for row in self.rows:
-            count = self._num_drafts(row) if drafting else 0
-            if row.drafter is not None and count:
-                self._catch_up(row)
-                draft = row.drafter.propose(torch.tensor(row.tokens), count, row.params, row.generator)
-            else:
-                draft = None
-            drafts.append(draft)
+        plan = self._plan()
+        drafting = [i for i, count in enumerate(plan) if count]
+        for i in drafting:
+            self._catch_up(self.rows[i])
+        drafts = [None] * batch
+        if drafting:  # every drafting row in one drafter call (one pass where the drafter can)
+            proposed = self.drafter.propose_many(
+                [self.rows[i].drafter for i in drafting],
+                [(torch.tensor(self.rows[i].tokens), plan[i], self.rows[i].params, self.rows[i].generator)
+                 for i in drafting])
+            for i, draft in zip(drafting, proposed):
+                drafts[i] = draft
+        drafting_seconds = time.perf_counter() - started
         lengths = [1 + (d.tokens.numel() if d is not None else 0) for d in drafts]
         width_q = max(lengths)
         ids = torch.zeros(batch, width_q, dtype=torch.long)
@@ -286,7 +233,6 @@ class BatchedSpecEngine:
                     if self.layer_ids else None)
         new_valid = torch.zeros(batch, width_q, dtype=torch.bool)
         finished = []
-        committed = 0
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
             count = lengths[i] - 1
             row_draft = draft if draft is not None else _NO_DRAFT
@@ -297,24 +243,23 @@ class BatchedSpecEngine:
                 if features is not None:  # a copy: a view would keep the whole batch's features alive
                     row.unseen_features.append(features[i, :accept_length + 1].clone())
             row.stats.record_step(count, accept_length)
-            if count:
-                ema = row.accept_ema if row.accept_ema >= 0 else accept_length
-                row.accept_ema, row.idle_steps = 0.7 * ema + 0.3 * accept_length, 0
-            else:
-                row.idle_steps += 1
+            if self.planner is not None:
+                self.planner.age(row.acceptance)
+                if count:
+                    self.planner.observe(row.acceptance, count, accept_length)
             new = committed_tokens(row_draft, accept_length, bonus, row.stop_ids)
             new = new[: row.max_new_tokens - row.stats.new_tokens]
             if row.logprobs is not None:
                 record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
             row.tokens += new
-            committed += len(new)
             row.stats.new_tokens += len(new)
             row.on_chunk(new)
             if new[-1] in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
                 finished.append(i)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
-        if self.mode_chooser is not None:  # the drafting mode's cost includes its catch-up
-            self.mode_chooser.record(batch, drafting, committed, time.perf_counter() - started)
+        if self.planner is not None:  # drafting's cost includes the catch-up of the drafting rows
+            self.planner.record(batch * width_q, time.perf_counter() - started - drafting_seconds,
+                                len(drafting) * width_q, drafting_seconds)
         for i in reversed(finished):
             self._finish(i)
         self._compact_if_sparse()

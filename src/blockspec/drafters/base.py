@@ -45,6 +45,13 @@ class Drafter(ABC):
         `begin` rebinds all their state."""
         return copy.copy(self)
 
+    def propose_many(self, forks: list["Drafter"], requests: list[tuple]) -> list[Draft]:
+        """Drafts for several sequences at once (the batched engine): `forks[i]` (a fork of
+        this drafter) proposes for `requests[i]` = (token_ids, num_drafts, params, generator),
+        the arguments of `propose`. Default: one by one; a drafter that can draft every
+        sequence in one pass overrides it."""
+        return [fork.propose(*request) for fork, request in zip(forks, requests)]
+
     def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
         """The verifier kept `committed_ids` (the anchor and the accepted drafts, which now
         have target K/V) with their target features. Default: nothing to update."""

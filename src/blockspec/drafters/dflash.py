@@ -324,13 +324,47 @@ class DFlashDrafter(Drafter):
         start = token_ids.numel() - 1  # position of the anchor
         block = torch.full((num_drafts + 1,), self.mask_token_id, dtype=torch.long)
         block[0] = token_ids[-1]
-        logits = self.block_logits(block, start)
+        return self._draft(self.block_logits(block, start), params, generator)
+
+    def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
         if self.sample_drafts and not params.greedy:
             probs = warp_probs(logits, params)
             tokens = sample(probs, generator)
             probs = on_target_vocabulary(probs, self.target.vocab_size, self._d2t)
             return Draft(tokens=self.to_target_ids(tokens).cpu(), probs=probs.cpu())
         return Draft(tokens=self.to_target_ids(logits.argmax(-1)).cpu())
+
+    @torch.inference_mode()
+    def propose_many(self, forks: list["DFlashDrafter"], requests: list[tuple]) -> list[Draft]:
+        """Every sequence's block in ONE drafter pass: blocks padded with mask ids to the widest,
+        each sequence's cached context padded to the longest; a mask keeps each block query to
+        its own context and its own block (padding included nowhere), so every row drafts what
+        it would alone, up to float rounding."""
+        if len(forks) == 1:
+            return [forks[0].propose(*requests[0])]
+        width = 1 + max(num_drafts for _, num_drafts, _, _ in requests)
+        contexts = [fork._context_kv[0][0].shape[2] for fork in forks]
+        longest = max(contexts)
+        blocks = torch.full((len(forks), width), self.mask_token_id, dtype=torch.long)
+        positions = torch.zeros(len(forks), width, dtype=torch.long)
+        allowed = torch.zeros(len(forks), 1, width, longest + width, dtype=torch.bool)
+        for row, ((token_ids, num_drafts, _, _), context) in enumerate(zip(requests, contexts)):
+            blocks[row, 0] = token_ids[-1]
+            positions[row] = torch.arange(token_ids.numel() - 1, token_ids.numel() - 1 + width)
+            allowed[row, :, :, :context] = True
+            allowed[row, :, :, longest:longest + num_drafts + 1] = True
+        device = self.target.device
+
+        def padded(layer: int, kv: int) -> torch.Tensor:  # [rows, kv_heads, longest, d]
+            return torch.cat([F.pad(fork._context_kv[layer][kv], (0, 0, 0, longest - context))
+                              for fork, context in zip(forks, contexts)])
+
+        context_kv = [(padded(layer, 0), padded(layer, 1)) for layer in range(len(self.model.layers))]
+        blocks, positions = blocks.to(device), positions.to(device)
+        hidden = self.model(self.target.embed(blocks), positions, context_kv, allowed.to(device))
+        logits = F.linear(hidden[:, 1:], self._head_weight, self._head_bias).float()
+        return [fork._draft(logits[row, :num_drafts], params, generator)
+                for row, (fork, (_, num_drafts, params, generator)) in enumerate(zip(forks, requests))]
 
     def accept(self, committed_ids, committed_features) -> None:
         self._extend_context(committed_features)

@@ -46,10 +46,10 @@ def shipped_drafter_for(target) -> Path | None:
     return None
 
 
-def load_drafter(spec: str, target, **options) -> Drafter | None:
-    """`none`, `auto` (the shipped drafter for this target, else prompt lookup), a
+def load_drafter(spec: str | None, target, **options) -> Drafter | None:
+    """`none` (or None), `auto` (the shipped drafter for this target, else prompt lookup), a
     registered name, or a drafter folder."""
-    if spec == "none":
+    if spec is None or spec == "none":
         return None
     if spec == "auto":
         shipped = shipped_drafter_for(target)

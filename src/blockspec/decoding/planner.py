@@ -1,0 +1,164 @@
+"""How many tokens each row of a batch drafts this step: the count that maximises expected
+goodput (committed tokens per second), as in SmartSpec (Liu et al., 2024, "Optimizing
+Speculative Decoding for Serving Large Language Models Using Goodput").
+
+Goodput of a plan = (rows + expected accepted drafts) / (verify seconds + drafting seconds).
+- Expected accepted drafts of a row drafting k tokens: sum over i <= k of P(drafts 1..i all
+  accepted), from per-position acceptance rates: the row's recent evidence, aged every
+  step, over a prior, the pooled rates of every row.
+- Verify seconds: measured per verify size (query tokens over the batch, padding included:
+  it is computed too), by power-of-two bucket. A verify pass costs about the same for 1 to
+  8 tokens on a CPU and grows beyond, so the size of the pass, not the batch, is the key.
+- Drafting seconds: measured per step by drafted positions (rows x (1 + drafts)), bucketed
+  alike: a drafter that drafts every row in one pass costs about the same for 1 or 4 rows.
+
+Everything is measured on this machine while serving; an estimate not refreshed for
+`stale_after` steps is re-measured. A cost not measured yet is taken optimistically
+(the highest measured cost of a smaller size, else 0): so each size is tried, once, when
+it could win. No drafting (a plain step) is one of the candidates, so under load, when drafting no
+longer pays, the plan is plain batched decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceEvidence:
+    """Decayed counts, per draft position (1-based position i at index i - 1), of the times
+    it was reached (trials) and accepted (hits): a drafter is surer near the anchor, so the
+    rate is kept per position, not one geometric rate."""
+
+    hits: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
+        """Positions 1..accepted were accepted; position accepted + 1, if drafted, was
+        reached and rejected; later ones were never reached."""
+        reached = min(accepted + 1, drafted)
+        if len(self.hits) < reached:
+            self.hits += [0.0] * (reached - len(self.hits))
+            self.trials += [0.0] * (reached - len(self.trials))
+        for i in range(len(self.hits)):
+            self.hits[i] = decay * self.hits[i] + (i < accepted)
+            self.trials[i] = decay * self.trials[i] + (i < reached)
+
+    def age(self, decay: float) -> None:
+        self.hits = [decay * h for h in self.hits]
+        self.trials = [decay * t for t in self.trials]
+
+
+class CostTable:
+    """Seconds per key (an exponential moving average per key), with optimistic guesses for
+    keys not measured recently (optimistic: so they get tried)."""
+
+    def __init__(self, decay: float, stale_after: int):
+        self.decay, self.stale_after = decay, stale_after
+        self.seconds: dict[int, float] = {}
+        self.measured_at: dict[int, int] = {}
+
+    def record(self, key: int, seconds: float, now: int) -> None:
+        fresh = key in self.seconds and now - self.measured_at[key] <= self.stale_after
+        self.seconds[key] = self.decay * self.seconds[key] + (1 - self.decay) * seconds if fresh else seconds
+        self.measured_at[key] = now
+
+    def fresh(self, now: int) -> dict[int, float]:
+        return {k: s for k, s in self.seconds.items() if now - self.measured_at[k] <= self.stale_after}
+
+    def estimate(self, key: int, now: int) -> float:
+        """The measured seconds, or, not measured recently, a lower bound (costs grow with
+        the key): the highest cost measured for a smaller key, else 0."""
+        fresh = self.fresh(now)
+        if key in fresh:
+            return fresh[key]
+        return max((s for k, s in fresh.items() if k < key), default=0.0)
+
+
+def _goodput(tokens: float, seconds: float) -> float:
+    return tokens / max(seconds, 1e-9)  # a cost not measured yet may be 0: it then wins, and gets measured
+
+
+def size_bucket(tokens: int) -> int:
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+class DraftPlanner:
+    def __init__(self, max_drafts: int, decay: float = 0.8, pooled_decay: float = 0.98, stale_after: int = 256):
+        self.max_drafts = max_drafts
+        self.decay, self.pooled_decay = decay, pooled_decay
+        self.verify = CostTable(decay, stale_after)  # key: size bucket of the verify pass
+        self.drafting = CostTable(decay, stale_after)  # key: size bucket of the drafted positions
+        self.pooled = AcceptanceEvidence()  # every row's evidence, decayed more slowly
+        self.now = 0
+
+    # --- acceptance -------------------------------------------------------------------------
+    def acceptance_rates(self, evidence: AcceptanceEvidence, drafts: int) -> list[float]:
+        """P(position i accepted | position i reached), i = 1..drafts: the row's evidence over a
+        prior, the pooled rate of that position over every row (weighing as one trial;
+        before any evidence, Laplace's rule: 1/2)."""
+        rates = []
+        for i in range(drafts):
+            pooled_hits = self.pooled.hits[i] if i < len(self.pooled.hits) else 0.0
+            pooled_trials = self.pooled.trials[i] if i < len(self.pooled.trials) else 0.0
+            prior = (pooled_hits + 1.0) / (pooled_trials + 2.0)
+            hits = evidence.hits[i] if i < len(evidence.hits) else 0.0
+            trials = evidence.trials[i] if i < len(evidence.trials) else 0.0
+            rates.append((hits + prior) / (trials + 1.0))
+        return rates
+
+    def expected_accepted(self, evidence: AcceptanceEvidence, drafts: int) -> float:
+        """E[accepted drafts] = sum over i of P(positions 1..i all accepted)."""
+        expected, reach = 0.0, 1.0
+        for rate in self.acceptance_rates(evidence, drafts):
+            reach *= rate
+            expected += reach
+        return expected
+
+    def observe(self, evidence: AcceptanceEvidence, drafted: int, accepted: int) -> None:
+        evidence.observe(drafted, accepted)
+        self.pooled.observe(drafted, accepted, self.pooled_decay)
+
+    def age(self, evidence: AcceptanceEvidence) -> None:
+        """Once per step for every row: old evidence fades, so a row that stopped drafting
+        drifts back to the pooled rates and is probed again."""
+        evidence.age(self.decay)
+
+    # --- the plan ---------------------------------------------------------------------------
+    def plan(self, rows: list[tuple[AcceptanceEvidence, int] | None]) -> list[int]:
+        """Drafts per row. `rows`: (evidence, most drafts allowed) of each row that can draft,
+        None for a row that cannot (no drafter)."""
+        self.now += 1
+        batch = len(rows)
+        plain = [0] * batch
+        can_draft = [(i, row) for i, row in enumerate(rows) if row is not None and row[1] > 0]
+        if not can_draft or self.max_drafts < 1:
+            return plain
+        if not self.verify.fresh(self.now):  # nothing measured yet: start by drafting in full
+            return [min(self.max_drafts, row[1]) if row is not None else 0 for row in rows]
+        best_plan, best_goodput = plain, _goodput(batch, self.verify.estimate(size_bucket(batch), self.now))
+        for drafts in range(1, min(self.max_drafts, max(allowed for _, (_, allowed) in can_draft)) + 1):
+            verify_seconds = self.verify.estimate(size_bucket(batch * (1 + drafts)), self.now)
+            gains = sorted(((self.expected_accepted(evidence, min(drafts, allowed)), i)
+                            for i, (evidence, allowed) in can_draft), reverse=True)
+            # the rows that gain most draft first; stop adding rows once one costs more than it brings
+            tokens, goodput, chosen = float(batch), 0.0, []
+            for gain, i in gains:
+                seconds = verify_seconds + self.drafting.estimate(size_bucket((len(chosen) + 1) * (1 + drafts)), self.now)
+                if chosen and _goodput(tokens + gain, seconds) <= goodput:
+                    break
+                tokens, goodput = tokens + gain, _goodput(tokens + gain, seconds)
+                chosen.append(i)
+            if goodput > best_goodput:
+                best_goodput = goodput
+                best_plan = [0] * batch
+                for i in chosen:
+                    best_plan[i] = min(drafts, rows[i][1])
+        return best_plan
+
+    def record(self, query_tokens: int, verify_seconds: float, drafted_positions: int,
+               drafting_seconds: float) -> None:
+        """What one step cost: its verify pass over `query_tokens` (padding included) and the
+        drafting of `drafted_positions` (drafting rows x (1 + drafts), padding included)."""
+        self.verify.record(size_bucket(query_tokens), verify_seconds, self.now)
+        if drafted_positions:
+            self.drafting.record(size_bucket(drafted_positions), drafting_seconds, self.now)
