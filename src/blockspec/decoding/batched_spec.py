@@ -7,7 +7,9 @@ axis and a per-row mask of valid slots instead: a step appends the same number o
 to every row; afterwards only a row's anchor and accepted drafts stay valid, the rest
 become holes that the mask hides (keys are rotated at their own positions when written,
 so where a slot sits does not matter). When holes pile up the cache is compacted. Each
-row drafts on its own (a drafter's state is per sequence); the target pass is shared.
+row has its own drafter state (a fork); the drafting rows of a step are handed to the
+drafter together (`propose_many`: DFlash drafts them in one pass), and the target pass is
+shared.
 
 How many tokens each row drafts is planned every step (`DraftPlanner`): the count that
 maximises expected committed tokens per second, from each row's recent acceptance and

@@ -15,8 +15,8 @@ Goodput of a plan = (rows + expected accepted drafts) / (verify seconds + drafti
 Everything is measured on this machine while serving; an estimate not refreshed for
 `stale_after` steps is re-measured. A cost not measured yet is taken optimistically
 (the highest measured cost of a smaller size, else 0): so each size is tried, once, when
-it could win. No drafting (a plain step) is one of the candidates, so under load, when drafting no
-longer pays, the plan is plain batched decoding."""
+it could win. No drafting (a plain step) is one of the candidates, so under load, when
+drafting no longer pays, the plan is plain batched decoding."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class AcceptanceEvidence:
 
 class CostTable:
     """Seconds per key (an exponential moving average per key), with optimistic guesses for
-    keys not measured recently (optimistic: so they get tried)."""
+    keys not measured recently, so that they get tried."""
 
     def __init__(self, decay: float, stale_after: int):
         self.decay, self.stale_after = decay, stale_after
@@ -143,7 +143,8 @@ class DraftPlanner:
             # the rows that gain most draft first; stop adding rows once one costs more than it brings
             tokens, goodput, chosen = float(batch), 0.0, []
             for gain, i in gains:
-                seconds = verify_seconds + self.drafting.estimate(size_bucket((len(chosen) + 1) * (1 + drafts)), self.now)
+                drafted_positions = (len(chosen) + 1) * (1 + drafts)
+                seconds = verify_seconds + self.drafting.estimate(size_bucket(drafted_positions), self.now)
                 if chosen and _goodput(tokens + gain, seconds) <= goodput:
                     break
                 tokens, goodput = tokens + gain, _goodput(tokens + gain, seconds)
