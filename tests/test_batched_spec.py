@@ -275,3 +275,40 @@ def test_dflash_drafts_every_row_in_one_pass_as_it_would_alone(sampled):
         assert together[i].tokens.tolist() == alone.tokens.tolist()
         if sampled:  # the distributions the rejection sampler reads agree too
             torch.testing.assert_close(together[i].probs, alone.probs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_eagle3_drafts_every_row_together_as_it_would_alone(sampled):
+    import torch
+
+    target = tiny_target("llama")
+    drafter = make_drafter("eagle3", target, [], [])
+    width = len(drafter.target_layer_ids) * target.hidden_size
+    torch.manual_seed(0)
+    features = [torch.randn(len(p), width) for p in PROMPTS]
+    committed = [torch.randn(3, width) for _ in PROMPTS]  # a later step: 3 more committed positions
+
+    def started():  # one fork per row, in the same state, having drafted once already
+        forks = []
+        for prompt, prompt_features, more in zip(PROMPTS, features, committed):
+            fork = drafter.fork()
+            fork.begin(torch.tensor(prompt), prompt_features)
+            fork.propose(torch.tensor(prompt + [5]), 2, SamplingParams())  # 5: the prefill's token
+            fork.accept(torch.tensor([5, 6, 7]), more)
+            forks.append(fork)
+        return forks
+
+    def requests():
+        out = []
+        for prompt, num_drafts in zip(PROMPTS, [5, 1, 3, 4]):  # ragged chains
+            params = SamplingParams(temperature=1.0, top_k=5, seed=7) if sampled else SamplingParams()
+            out.append((torch.tensor(prompt + [5, 6, 7, 8]), num_drafts, params,
+                        params.generator() if sampled else None))
+        return out
+
+    together = drafter.propose_many(started(), requests())
+    alone = [fork.propose(*request) for fork, request in zip(started(), requests())]
+    for mine, theirs in zip(together, alone):
+        assert mine.tokens.tolist() == theirs.tokens.tolist()
+        if sampled:
+            torch.testing.assert_close(mine.probs, theirs.probs, atol=1e-5, rtol=1e-4)

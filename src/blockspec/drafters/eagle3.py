@@ -255,6 +255,20 @@ class Eagle3Drafter(Drafter):
     def unroll(self, token_ids: torch.Tensor, num_drafts: int, pick) -> None:
         """Bring the cache up to the committed tokens, then run `num_drafts` steps; `pick(step,
         logits [1, V'])` chooses each step's token (a target id), fed back as the next input."""
+        h, n = self._catch_up(token_ids)
+        device = self.target.device
+        chain_k, chain_v = self._keys, self._values  # committed + this chain's drafted steps
+        for step in range(num_drafts):
+            token = int(pick(step, self._logits(h[0])))
+            if step == num_drafts - 1:
+                break
+            h, k, v = self.model(self.target.embed(torch.tensor([[token]], device=device)), h,
+                                 torch.tensor([[n + step]], device=device), chain_k, chain_v)
+            chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
+
+    def _catch_up(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Step 1: the new committed positions, each paired with the NEXT token, into the cache.
+        Returns the anchor's state h [1, 1, H] and its position n."""
         device, dtype = self.target.device, self.target.dtype
         features = torch.cat(self._unseen).to(device, dtype)
         self._unseen = []
@@ -263,22 +277,44 @@ class Eagle3Drafter(Drafter):
         if features.shape[0] != n - cached:
             raise RuntimeError(f"EAGLE-3 drafter out of step: features for {features.shape[0]} new positions, "
                                f"{n - cached} committed")
-        # step 1: the new committed positions cached..n-1, each paired with the NEXT token
         positions = torch.arange(cached, n, device=device)[None]
         embeds = self.target.embed(token_ids[cached + 1:n + 1].to(device))[None]
         causal = torch.ones(n - cached, n, dtype=torch.bool, device=device).tril(cached)[None, None]
         h, k, v = self.model(embeds, self.model.fc(features[None]), positions, self._keys, self._values, causal)
         self._keys = k if self._keys is None else torch.cat([self._keys, k], dim=2)
         self._values = v if self._values is None else torch.cat([self._values, v], dim=2)
-        chain_k, chain_v = self._keys, self._values  # committed + this chain's drafted steps
-        h = h[:, -1:]
-        for step in range(num_drafts):
-            token = int(pick(step, self._logits(h[0])))
-            if step == num_drafts - 1:
+        return h[:, -1:], n
+
+    @torch.inference_mode()
+    def propose_many(self, forks: list["Eagle3Drafter"], requests: list[tuple]) -> list[Draft]:
+        """Every row's chain one step at a time, all rows in one pass per step: each row's
+        committed K/V padded to the longest under a mask (the catch-up of step 1 differs in
+        length per row and runs row by row). A row that needs fewer drafts runs along; its
+        extra steps are dropped."""
+        if len(forks) == 1:
+            return [forks[0].propose(*requests[0])]
+        device = self.target.device
+        states = [fork._catch_up(token_ids) for fork, (token_ids, _, _, _) in zip(forks, requests)]
+        h = torch.cat([state for state, _ in states])  # [rows, 1, H]
+        anchors = torch.tensor([n for _, n in states], device=device)
+        cached = [fork._keys.shape[2] for fork in forks]
+        longest = max(cached)
+        chain_k = torch.cat([F.pad(fork._keys, (0, 0, 0, longest - m)) for fork, m in zip(forks, cached)])
+        chain_v = torch.cat([F.pad(fork._values, (0, 0, 0, longest - m)) for fork, m in zip(forks, cached)])
+        visible = torch.arange(longest, device=device)[None] < torch.tensor(cached, device=device)[:, None]
+        picks = [TokenPicker(params, generator, self.target.vocab_size, self._d2t)
+                 for _, _, params, generator in requests]
+        longest_chain = max(num_drafts for _, num_drafts, _, _ in requests)
+        for step in range(longest_chain):
+            logits = self._logits(h[:, 0])  # [rows, V']
+            tokens = [pick(logits[row:row + 1]) if step < requests[row][1] else 0 for row, pick in enumerate(picks)]
+            if step == longest_chain - 1:
                 break
-            h, k, v = self.model(self.target.embed(torch.tensor([[token]], device=device)), h,
-                                 torch.tensor([[n + step]], device=device), chain_k, chain_v)
+            visible = torch.cat([visible, visible.new_ones(len(forks), 1)], dim=1)  # each row sees its own new step
+            h, k, v = self.model(self.target.embed(torch.tensor(tokens, device=device)[:, None]), h,
+                                 (anchors + step)[:, None], chain_k, chain_v, visible[:, None, None, :])
             chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
+        return [pick.draft() for pick in picks]
 
 
 def load_eagle3(directory, target, **options) -> Eagle3Drafter:
