@@ -131,5 +131,22 @@ class MTPDrafter(Drafter):
         return pick.draft()
 
 
+    @torch.inference_mode()
+    def propose_many(self, forks: list["MTPDrafter"], requests: list[tuple]) -> list[Draft]:
+        """Every row's recursion in one pass per step (a row that needs fewer drafts runs
+        along; its extra steps are dropped)."""
+        device = self.target.device
+        hidden = torch.stack([fork._hidden for fork in forks])  # [rows, H]
+        tokens = torch.stack([token_ids[-1] for token_ids, _, _, _ in requests])
+        picks = [TokenPicker(params, generator, self.target.vocab_size, self._d2t)
+                 for _, _, params, generator in requests]
+        for step in range(max(num_drafts for _, num_drafts, _, _ in requests)):
+            hidden = self.model.step(hidden, self.target.embed(tokens.to(device)))
+            logits = F.linear(self.model.norm(hidden), self._head_weight, self._head_bias).float()
+            tokens = torch.tensor([pick(logits[row:row + 1]) if step < requests[row][1] else 0
+                                   for row, pick in enumerate(picks)])
+        return [pick.draft() for pick in picks]
+
+
 def load_mtp(directory, target, **options) -> MTPDrafter:
     return MTPDrafter(MTPHeadModel.from_pretrained(directory), target, force=options.get("force", False))
