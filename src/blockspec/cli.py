@@ -336,7 +336,17 @@ def _train(args) -> int:
     if dist.is_initialized():  # under torchrun: leave together, after rank 0 has written
         dist.barrier()
         dist.destroy_process_group()
+        leave_without_finalizing()
     return 0
+
+
+def leave_without_finalizing() -> None:
+    """End a torchrun worker whose work is all written: Gloo's worker threads can abort the
+    interpreter's finalization (SIGABRT, "terminate called without an active exception")
+    after a clean run, which torchrun reports as a failure (pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_drafter(args) -> int:

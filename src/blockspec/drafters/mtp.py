@@ -130,7 +130,6 @@ class MTPDrafter(Drafter):
             token = torch.tensor([pick(logits)])
         return pick.draft()
 
-
     @torch.inference_mode()
     def propose_many(self, forks: list["MTPDrafter"], requests: list[tuple]) -> list[Draft]:
         """Every row's recursion in one pass per step (a row that needs fewer drafts runs
