@@ -17,10 +17,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_target  # noqa: E402
 
-from blockspec.cli import leave_without_finalizing  # noqa: E402
 from blockspec.training.config import TrainConfig  # noqa: E402
 from blockspec.training.draft_model import DraftModelTrainer  # noqa: E402
-from blockspec.training.trainer import DFlashTrainer  # noqa: E402
+from blockspec.training.trainer import DFlashTrainer, finish_distributed  # noqa: E402
 
 
 def main() -> None:
@@ -52,9 +51,7 @@ def main() -> None:
                   os.path.join(args.out_dir, f"{args.tag}-world{world}-rank{rank}.safetensors"),
                   metadata={"held_as": held_as})
     if world > 1:
-        torch.distributed.barrier()  # no rank tears down while another still talks to it
-        torch.distributed.destroy_process_group()
-        leave_without_finalizing()  # as `blockspec train` does under torchrun
+        finish_distributed()  # as `blockspec train` ends under torchrun
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def test_expected_acceptance_follows_each_positions_rate():
     row = AcceptanceEvidence([90.0, 45.0, 0.0], [100.0, 90.0, 45.0])  # 0.9, then 0.5, then never
     rates = planner.acceptance_rates(row, 3)
     assert rates == pytest.approx([90.5 / 101, 45.5 / 91, 0.5 / 46])
-    assert planner.expected_accepted(row, 2) == pytest.approx(rates[0] + rates[0] * rates[1])
+    assert planner.expected_accepted(row, 2) == pytest.approx([rates[0], rates[0] + rates[0] * rates[1]])
 
 
 def test_a_row_that_stopped_drafting_is_probed_again_as_its_evidence_ages():

@@ -314,7 +314,7 @@ def _train(args) -> int:
     from blockspec.training.draft_model import DraftModelTrainer
     from blockspec.training.eagle3 import Eagle3Trainer
     from blockspec.training.mtp import MTPTrainer
-    from blockspec.training.trainer import DFlashTrainer
+    from blockspec.training.trainer import DFlashTrainer, finish_distributed
 
     config = load_config(TrainConfig, args.config, args.overrides)
     trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "draft-model": DraftModelTrainer,
@@ -334,19 +334,8 @@ def _train(args) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():  # under torchrun: leave together, after rank 0 has written
-        dist.barrier()
-        dist.destroy_process_group()
-        leave_without_finalizing()
+        finish_distributed()
     return 0
-
-
-def leave_without_finalizing() -> None:
-    """End a torchrun worker whose work is all written: Gloo's worker threads can abort the
-    interpreter's finalization (SIGABRT, "terminate called without an active exception")
-    after a clean run, which torchrun reports as a failure (pytorch/pytorch#179291)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _check_drafter(args) -> int:

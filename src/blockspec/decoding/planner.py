@@ -20,6 +20,7 @@ drafting no longer pays, the plan is plain batched decoding."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -65,13 +66,17 @@ class CostTable:
     def fresh(self, now: int) -> dict[int, float]:
         return {k: s for k, s in self.seconds.items() if now - self.measured_at[k] <= self.stale_after}
 
-    def estimate(self, key: int, now: int) -> float:
-        """The measured seconds, or, not measured recently, a lower bound (costs grow with
-        the key): the highest cost measured for a smaller key, else 0."""
+    def estimates(self, now: int) -> Callable[[int], float]:
+        """key -> the measured seconds, or, not measured recently, a lower bound (costs grow
+        with the key): the highest cost measured for a smaller key, else 0."""
         fresh = self.fresh(now)
-        if key in fresh:
-            return fresh[key]
-        return max((s for k, s in fresh.items() if k < key), default=0.0)
+
+        def estimate(key: int) -> float:
+            if key in fresh:
+                return fresh[key]
+            return max((s for k, s in fresh.items() if k < key), default=0.0)
+
+        return estimate
 
 
 def _goodput(tokens: float, seconds: float) -> float:
@@ -106,12 +111,14 @@ class DraftPlanner:
             rates.append((hits + prior) / (trials + 1.0))
         return rates
 
-    def expected_accepted(self, evidence: AcceptanceEvidence, drafts: int) -> float:
-        """E[accepted drafts] = sum over i of P(positions 1..i all accepted)."""
-        expected, reach = 0.0, 1.0
+    def expected_accepted(self, evidence: AcceptanceEvidence, drafts: int) -> list[float]:
+        """E[accepted drafts] when drafting 1, 2, .., `drafts` tokens: the sum over i <= k of
+        P(positions 1..i all accepted)."""
+        expected, reach, total = [], 1.0, 0.0
         for rate in self.acceptance_rates(evidence, drafts):
             reach *= rate
-            expected += reach
+            total += reach
+            expected.append(total)
         return expected
 
     def observe(self, evidence: AcceptanceEvidence, drafted: int, accepted: int) -> None:
@@ -135,16 +142,19 @@ class DraftPlanner:
             return plain
         if not self.verify.fresh(self.now):  # nothing measured yet: start by drafting in full
             return [min(self.max_drafts, row[1]) if row is not None else 0 for row in rows]
-        best_plan, best_goodput = plain, _goodput(batch, self.verify.estimate(size_bucket(batch), self.now))
-        for drafts in range(1, min(self.max_drafts, max(allowed for _, (_, allowed) in can_draft)) + 1):
-            verify_seconds = self.verify.estimate(size_bucket(batch * (1 + drafts)), self.now)
-            gains = sorted(((self.expected_accepted(evidence, min(drafts, allowed)), i)
-                            for i, (evidence, allowed) in can_draft), reverse=True)
+        verify, drafting = self.verify.estimates(self.now), self.drafting.estimates(self.now)
+        most = min(self.max_drafts, max(allowed for _, (_, allowed) in can_draft))
+        # E[accepted] for every draft count, once per row: gains[i][k - 1] for k drafts
+        gains = {i: self.expected_accepted(evidence, min(most, allowed))
+                 for i, (evidence, allowed) in can_draft}
+        best_plan, best_goodput = plain, _goodput(batch, verify(size_bucket(batch)))
+        for drafts in range(1, most + 1):
+            verify_seconds = verify(size_bucket(batch * (1 + drafts)))
+            ranked = sorted(((gains[i][min(drafts, len(gains[i])) - 1], i) for i, _ in can_draft), reverse=True)
             # the rows that gain most draft first; stop adding rows once one costs more than it brings
             tokens, goodput, chosen = float(batch), 0.0, []
-            for gain, i in gains:
-                drafted_positions = (len(chosen) + 1) * (1 + drafts)
-                seconds = verify_seconds + self.drafting.estimate(size_bucket(drafted_positions), self.now)
+            for gain, i in ranked:
+                seconds = verify_seconds + drafting(size_bucket((len(chosen) + 1) * (1 + drafts)))
                 if chosen and _goodput(tokens + gain, seconds) <= goodput:
                     break
                 tokens, goodput = tokens + gain, _goodput(tokens + gain, seconds)

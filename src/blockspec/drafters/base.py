@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
 
@@ -86,6 +87,15 @@ class TokenPicker:
             return Draft(tokens=tokens)
         probs = on_target_vocabulary(torch.stack(self.rows), self.vocab_size, self.d2t)
         return Draft(tokens=tokens, probs=probs.cpu())
+
+
+def stack_padded(states: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence K or V [1, heads, n_i, d] -> [rows, heads, max n_i, d], zero-padded at the
+    end of each row (a mask must hide the padding); one row is returned as it is."""
+    if len(states) == 1:
+        return states[0]
+    longest = max(state.shape[2] for state in states)
+    return torch.cat([F.pad(state, (0, 0, 0, longest - state.shape[2])) for state in states])
 
 
 def on_target_vocabulary(probs: torch.Tensor, vocab_size: int, d2t: torch.Tensor | None = None) -> torch.Tensor:

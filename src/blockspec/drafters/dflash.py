@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary
+from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary, stack_padded
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.errors import DrafterMismatchError
 
@@ -354,12 +354,9 @@ class DFlashDrafter(Drafter):
             allowed[row, :, :, :context] = True
             allowed[row, :, :, longest:longest + num_drafts + 1] = True
         device = self.target.device
-
-        def padded(layer: int, kv: int) -> torch.Tensor:  # [rows, kv_heads, longest, d]
-            return torch.cat([F.pad(fork._context_kv[layer][kv], (0, 0, 0, longest - context))
-                              for fork, context in zip(forks, contexts)])
-
-        context_kv = [(padded(layer, 0), padded(layer, 1)) for layer in range(len(self.model.layers))]
+        context_kv = [(stack_padded([fork._context_kv[layer][0] for fork in forks]),
+                       stack_padded([fork._context_kv[layer][1] for fork in forks]))
+                      for layer in range(len(self.model.layers))]
         blocks, positions = blocks.to(device), positions.to(device)
         hidden = self.model(self.target.embed(blocks), positions, context_kv, allowed.to(device))
         logits = F.linear(hidden[:, 1:], self._head_weight, self._head_bias).float()

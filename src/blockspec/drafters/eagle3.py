@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter, TokenPicker
+from blockspec.drafters.base import Draft, Drafter, TokenPicker, stack_padded
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.drafters.dflash import DFlashMLP, _apply_rope, layer_shape, rope_cos_sin
 from blockspec.errors import DrafterMismatchError
@@ -247,23 +247,51 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
-        pick = TokenPicker(params, generator, self.target.vocab_size, self._d2t)
-        self.unroll(token_ids, num_drafts, lambda step, logits: pick(logits))
-        return pick.draft()
+        return self.propose_many([self], [(token_ids, num_drafts, params, generator)])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, forks: list["Eagle3Drafter"], requests: list[tuple]) -> list[Draft]:
+        """Every row's chain together (`unroll_rows`)."""
+        picks = [TokenPicker(params, generator, self.target.vocab_size, self._d2t)
+                 for _, _, params, generator in requests]
+        token_ids = [ids for ids, _, _, _ in requests]
+        num_drafts = [count for _, count, _, _ in requests]
+        self.unroll_rows(forks, token_ids, num_drafts, lambda row, step, logits: picks[row](logits))
+        return [pick.draft() for pick in picks]
 
     @torch.inference_mode()
     def unroll(self, token_ids: torch.Tensor, num_drafts: int, pick) -> None:
-        """Bring the cache up to the committed tokens, then run `num_drafts` steps; `pick(step,
-        logits [1, V'])` chooses each step's token (a target id), fed back as the next input."""
-        h, n = self._catch_up(token_ids)
+        """One sequence's chain: `pick(step, logits [1, V'])` chooses each step's token."""
+        self.unroll_rows([self], [token_ids], [num_drafts], lambda row, step, logits: pick(step, logits))
+
+    def unroll_rows(self, forks: list["Eagle3Drafter"], token_ids: list[torch.Tensor], num_drafts: list[int],
+                    pick) -> None:
+        """Bring each fork's cache up to its committed tokens (row by row: their lengths
+        differ), then run every row's chain together, one pass per step. `pick(row, step,
+        logits [1, V'])` chooses a row's token (a target id), fed back as its next input.
+        Rows' committed K/V are padded to the longest, under a mask only where lengths
+        differ; a row that needs fewer drafts runs along, its extra steps dropped."""
         device = self.target.device
-        chain_k, chain_v = self._keys, self._values  # committed + this chain's drafted steps
-        for step in range(num_drafts):
-            token = int(pick(step, self._logits(h[0])))
-            if step == num_drafts - 1:
+        states = [fork._catch_up(ids) for fork, ids in zip(forks, token_ids)]
+        h = torch.cat([state for state, _ in states])  # [rows, 1, H]
+        anchors = torch.tensor([n for _, n in states], device=device)
+        cached = torch.tensor([fork._keys.shape[2] for fork in forks], device=device)
+        chain_k = stack_padded([fork._keys for fork in forks])
+        chain_v = stack_padded([fork._values for fork in forks])
+        ragged = bool((cached != cached[0]).any())
+        visible = torch.arange(chain_k.shape[2], device=device)[None] < cached[:, None] if ragged else None
+        longest_chain = max(num_drafts)
+        for step in range(longest_chain):
+            logits = self._logits(h[:, 0])  # [rows, V']
+            tokens = [int(pick(row, step, logits[row:row + 1])) if step < wanted else 0
+                      for row, wanted in enumerate(num_drafts)]
+            if step == longest_chain - 1:
                 break
-            h, k, v = self.model(self.target.embed(torch.tensor([[token]], device=device)), h,
-                                 torch.tensor([[n + step]], device=device), chain_k, chain_v)
+            if visible is not None:  # each row also sees its own new step
+                visible = torch.cat([visible, visible.new_ones(len(forks), 1)], dim=1)
+            h, k, v = self.model(self.target.embed(torch.tensor(tokens, device=device)[:, None]), h,
+                                 (anchors + step)[:, None], chain_k, chain_v,
+                                 None if visible is None else visible[:, None, None, :])
             chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
 
     def _catch_up(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -284,38 +312,6 @@ class Eagle3Drafter(Drafter):
         self._keys = k if self._keys is None else torch.cat([self._keys, k], dim=2)
         self._values = v if self._values is None else torch.cat([self._values, v], dim=2)
         return h[:, -1:], n
-
-    @torch.inference_mode()
-    def propose_many(self, forks: list["Eagle3Drafter"], requests: list[tuple]) -> list[Draft]:
-        """Every row's chain one step at a time, all rows in one pass per step: each row's
-        committed K/V padded to the longest under a mask (the catch-up of step 1 differs in
-        length per row and runs row by row). A row that needs fewer drafts runs along; its
-        extra steps are dropped."""
-        if len(forks) == 1:
-            return [forks[0].propose(*requests[0])]
-        device = self.target.device
-        states = [fork._catch_up(token_ids) for fork, (token_ids, _, _, _) in zip(forks, requests)]
-        h = torch.cat([state for state, _ in states])  # [rows, 1, H]
-        anchors = torch.tensor([n for _, n in states], device=device)
-        cached = [fork._keys.shape[2] for fork in forks]
-        longest = max(cached)
-        chain_k = torch.cat([F.pad(fork._keys, (0, 0, 0, longest - m)) for fork, m in zip(forks, cached)])
-        chain_v = torch.cat([F.pad(fork._values, (0, 0, 0, longest - m)) for fork, m in zip(forks, cached)])
-        visible = torch.arange(longest, device=device)[None] < torch.tensor(cached, device=device)[:, None]
-        picks = [TokenPicker(params, generator, self.target.vocab_size, self._d2t)
-                 for _, _, params, generator in requests]
-        longest_chain = max(num_drafts for _, num_drafts, _, _ in requests)
-        for step in range(longest_chain):
-            logits = self._logits(h[:, 0])  # [rows, V']
-            tokens = [pick(logits[row:row + 1]) if step < requests[row][1] else 0 for row, pick in enumerate(picks)]
-            if step == longest_chain - 1:
-                break
-            visible = torch.cat([visible, visible.new_ones(len(forks), 1)], dim=1)  # each row sees its own new step
-            h, k, v = self.model(self.target.embed(torch.tensor(tokens, device=device)[:, None]), h,
-                                 (anchors + step)[:, None], chain_k, chain_v, visible[:, None, None, :])
-            chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
-        return [pick.draft() for pick in picks]
-
 
 def load_eagle3(directory, target, **options) -> Eagle3Drafter:
     return Eagle3Drafter(Eagle3DraftModel.from_pretrained(directory), target, force=options.get("force", False))

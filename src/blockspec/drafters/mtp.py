@@ -122,18 +122,12 @@ class MTPDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
-        hidden, token = self._hidden, token_ids[-1:]
-        pick = TokenPicker(params, generator, self.target.vocab_size, self._d2t)
-        for _ in range(num_drafts):
-            hidden = self.model.step(hidden, self.target.embed(token.to(self.target.device))[0])
-            logits = F.linear(self.model.norm(hidden), self._head_weight, self._head_bias).float()[None]
-            token = torch.tensor([pick(logits)])
-        return pick.draft()
+        return self.propose_many([self], [(token_ids, num_drafts, params, generator)])[0]
 
     @torch.inference_mode()
     def propose_many(self, forks: list["MTPDrafter"], requests: list[tuple]) -> list[Draft]:
-        """Every row's recursion in one pass per step (a row that needs fewer drafts runs
-        along; its extra steps are dropped)."""
+        """Every row's recursion together, one pass per step (a row that needs fewer drafts
+        runs along; its extra steps are dropped)."""
         device = self.target.device
         hidden = torch.stack([fork._hidden for fork in forks])  # [rows, H]
         tokens = torch.stack([token_ids[-1] for token_ids, _, _, _ in requests])

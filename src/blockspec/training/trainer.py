@@ -591,6 +591,24 @@ class DFlashTrainer:
         return final
 
 
+def finish_distributed() -> None:
+    """End a torchrun worker (the trainer started its process group) once everything is
+    written: every rank waits at a barrier, so no rank tears down while another still
+    talks to it, then the group is destroyed and the process exits WITHOUT interpreter
+    finalization. Gloo's worker threads can abort finalization after a clean run (SIGABRT,
+    "terminate called without an active exception", pytorch/pytorch#179291), which
+    torchrun would report as a failure."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def plot_metrics(history: list[dict], path: Path) -> None:
     """Loss and held-out tau against steps, as a PNG."""
     import matplotlib
