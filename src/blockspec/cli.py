@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--feature-layers", type=_layer_ids, default=None, metavar="IDS",
                       help="also store these target layers' features (fp16), e.g. 1,8,15,22,27: training then "
                            "skips the target pass (use the drafter's target_layer_ids)")
+    data.add_argument("--prompt-prefix", default="", help="text put before every text prompt of --prompts")
+    data.add_argument("--prompt-suffix", default="", help="text put after every text prompt of --prompts, e.g. a "
+                      "benchmark's instruction (use $'...' in bash for newlines)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--threads", type=_positive_int, default=None)
     data.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N, mps")
@@ -173,7 +176,47 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_positive_int, default=None)
     bench.add_argument("--output", default="runs/bench")
     bench.set_defaults(run=_bench)
+
+    heldout = commands.add_parser("eval-drafter", help="held-out acceptance (tau, position-1 rate) of a drafter on "
+                                  "benchmark test prompts, T=0, no timing")
+    heldout.add_argument("drafter", help="drafter folder, 'auto' or a named drafter")
+    heldout.add_argument("--target", default="default")
+    heldout.add_argument("--datasets", default="gsm8k,math500,humaneval,mt_bench")
+    heldout.add_argument("--data-dir", default=None, help="local copies (layout of ../shared/data); else by name")
+    heldout.add_argument("--limit", type=_positive_int, default=8, help="prompts per dataset (seeded subset)")
+    heldout.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    heldout.add_argument("--block-size", type=_positive_int, default=16)
+    heldout.add_argument("--seed", type=int, default=1, help="which subset (the bench uses 0)")
+    heldout.add_argument("--threads", type=_positive_int, default=None)
+    heldout.add_argument("--output", default=None, help="also write the result as JSON here")
+    heldout.set_defaults(run=_eval_drafter)
     return parser
+
+
+def _eval_drafter(args) -> int:
+    import json
+    from pathlib import Path
+
+    from blockspec.atomic import write_text
+    from blockspec.drafters.registry import load_drafter
+    from blockspec.targets.loading import load_target
+    from blockspec.training.heldout import format_acceptance, heldout_acceptance
+
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    if not datasets:
+        raise BlockspecError("--datasets is empty")
+    target = load_target(args.target, threads=args.threads)
+    drafter = load_drafter(args.drafter, target)
+    if drafter is None:
+        raise BlockspecError("eval-drafter needs a drafter, not 'none'")
+    result = heldout_acceptance(target, drafter, datasets=datasets, data_dir=args.data_dir, limit=args.limit,
+                                max_new_tokens=args.max_new_tokens, block_size=args.block_size, seed=args.seed)
+    result["drafter"] = args.drafter
+    print(format_acceptance(result))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        write_text(Path(args.output), json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def _generate(args) -> int:
@@ -303,13 +346,14 @@ def _data(args) -> int:
     config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
                         synthesize=args.synthesize, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
-                        seed=args.seed, feature_layers=args.feature_layers)
+                        seed=args.seed, feature_layers=args.feature_layers,
+                        prompt_prefix=args.prompt_prefix, prompt_suffix=args.prompt_suffix)
     build_dataset(load_target(args.target, threads=args.threads, device=args.device or "cpu"), config)
     return 0
 
 
 def _train(args) -> int:
-    from blockspec.targets.loading import load_target
+    from blockspec.targets.loading import check_device, load_target
     from blockspec.training.config import TrainConfig, load_config
     from blockspec.training.draft_model import DraftModelTrainer
     from blockspec.training.eagle3 import Eagle3Trainer
@@ -324,6 +368,8 @@ def _train(args) -> int:
     if not config.data:
         raise BlockspecError("train needs --data FOLDER (built by `blockspec data`)")
     device = config.device
+    if device:
+        check_device(device)  # a missing GPU is one clear line, before any model loads
     if device == "cuda":  # one GPU per process under torchrun / accelerate launch
         import torch
 

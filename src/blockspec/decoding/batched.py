@@ -18,6 +18,8 @@ so its row is absent (no drafter context ever needs it).
 from __future__ import annotations
 
 import torch
+
+from blockspec.targets.adapter import compact_features, target_features
 from blockspec.targets.cache import new_cache
 
 
@@ -33,7 +35,7 @@ def generate_batch(
 ) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
     """Decode every prompt; each response ends with its first EOS (kept) or at `max_new_tokens`.
     With `feature_layers`, also return one [len(prompt) + len(response) - 1, len(layers) * hidden]
-    fp16 tensor per row."""
+    fp16 tensor per row (bf16 where a value would overflow fp16)."""
     if not prompts:
         return []
     if any(not prompt for prompt in prompts):
@@ -86,9 +88,15 @@ def generate_batch(
         next_position = next_position + 1
     if not capture:
         return responses
-    return responses, [torch.cat(parts) for parts in features]
+    return responses, [_joined(parts) for parts in features]
 
 
 def _features(out, layer_ids: list[int]) -> torch.Tensor:
     # to host memory at once: a shard's features must not pile up on an accelerator
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to("cpu", torch.float16)
+    return compact_features(target_features(out.hidden_states, layer_ids).to("cpu"))
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    # one step past fp16's range makes the whole row bf16 (never inf in a stored feature)
+    dtype = torch.bfloat16 if any(p.dtype == torch.bfloat16 for p in parts) else parts[0].dtype
+    return torch.cat([p.to(dtype) for p in parts])

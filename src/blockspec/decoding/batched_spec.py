@@ -38,6 +38,7 @@ from blockspec.decoding.sampling import SamplingParams, next_token
 from blockspec.drafters.base import Draft
 from blockspec.decoding.stats import GenerationStats
 from blockspec.errors import InvalidArgumentError
+from blockspec.targets.adapter import target_features
 from blockspec.targets.cache import GrowingLayer, new_cache, replace_states
 
 
@@ -129,8 +130,7 @@ class BatchedSpecEngine:
         drafter = None
         if self.drafter is not None:
             drafter = self.drafter.fork()
-            features = (torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-                        if self.layer_ids else None)
+            features = target_features(out.hidden_states, self.layer_ids)[0] if self.layer_ids else None
             drafter.begin(prompt, features)
         # nothing of the batch changes before this point: a failure above leaves it intact
         row.drafter, row.unseen_ids, row.unseen_features = drafter, [], []
@@ -231,8 +231,7 @@ class BatchedSpecEngine:
                                 attention_mask=mask.to(self.target.device), cache=self.cache, use_cache=True,
                                 output_hidden_states=bool(self.layer_ids))
         logits = out.logits.float()
-        features = (torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
-                    if self.layer_ids else None)
+        features = target_features(out.hidden_states, self.layer_ids) if self.layer_ids else None
         new_valid = torch.zeros(batch, width_q, dtype=torch.bool)
         finished = []
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):

@@ -20,6 +20,18 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+def bind_to_target(model: torch.nn.Module, target) -> torch.nn.Module:
+    """The drafter's weights on the target's device and dtype, in eval mode, WITHOUT changing
+    the module given: `nn.Module.to` converts in place, so a trainer handing its fp32 model to
+    a drafter for a held-out eval on a bf16 GPU target would silently train in bf16 after it."""
+    parameter = next(model.parameters(), None)
+    if parameter is not None and (parameter.device != target.device or parameter.dtype != target.dtype):
+        model = copy.deepcopy(model).to(device=target.device, dtype=target.dtype)
+    elif model.training:
+        model = copy.deepcopy(model)
+    return model.eval()
+
+
 class Drafter(ABC):
     """begin on the prompt -> propose a block -> learn what was accepted -> repeat."""
 

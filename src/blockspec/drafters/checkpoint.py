@@ -66,8 +66,9 @@ class DraftCheckpoint:
         """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
         weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
         if self.config.draft_vocab_size:
-            weight = weight.index_select(0, self.d2t)
-            bias = None if bias is None else bias.index_select(0, self.d2t)
+            rows = self.d2t.to(weight.device)  # the drafter may still be elsewhere (a trainer builds it on the CPU)
+            weight = weight.index_select(0, rows)
+            bias = None if bias is None else bias.index_select(0, rows)
         return weight, bias
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter, on_target_vocabulary, stack_padded
+from blockspec.drafters.base import Draft, Drafter, bind_to_target, on_target_vocabulary, stack_padded
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.errors import DrafterMismatchError
 
@@ -276,7 +276,7 @@ class DFlashDrafter(Drafter):
         T > 0 (verified by rejection sampling) instead of drafting greedily; `force`
         accepts a drafter trained for another tokenizer (the shapes must still fit)."""
         check_fits(model.config, target, check_fingerprint=not force)
-        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.model = bind_to_target(model, target)
         self.target = target
         self.target_layer_ids = tuple(model.config.target_layer_ids)
         self.max_block_size = model.config.block_size

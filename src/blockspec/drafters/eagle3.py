@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter, TokenPicker, stack_padded
+from blockspec.drafters.base import Draft, Drafter, TokenPicker, bind_to_target, stack_padded
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.drafters.dflash import DFlashMLP, _apply_rope, layer_shape, rope_cos_sin
 from blockspec.errors import DrafterMismatchError
@@ -226,7 +226,7 @@ class Eagle3Drafter(Drafter):
         problems = fit_problems(config, target, check_fingerprint=not force)
         if problems:
             raise DrafterMismatchError("EAGLE-3 drafter does not fit the target: " + "; ".join(problems))
-        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.model = bind_to_target(model, target)
         self.target = target
         self.target_layer_ids = tuple(config.target_layer_ids)
         self.max_block_size = config.block_size

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter, TokenPicker
+from blockspec.drafters.base import Draft, Drafter, TokenPicker, bind_to_target
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.errors import DrafterMismatchError
 
@@ -107,7 +107,7 @@ class MTPDrafter(Drafter):
         problems = fit_problems(config, target, check_fingerprint=not force)
         if problems:
             raise DrafterMismatchError("MTP head does not fit the target: " + "; ".join(problems))
-        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.model = bind_to_target(model, target)
         self.target = target
         self.target_layer_ids = tuple(config.target_layer_ids)
         self._head_weight, self._head_bias = self.model.head(target)

@@ -17,6 +17,25 @@ from transformers import DynamicCache
 
 from blockspec.targets.cache import new_cache
 
+FP16_MAX = 65504.0
+
+
+def target_features(hidden_states, layer_ids) -> torch.Tensor:
+    """The drafters' features: layer id i = OUTPUT of decoder layer i = hidden_states[i + 1]
+    (hidden_states[0] is the embedding), concatenated on the last dimension."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def compact_features(features: torch.Tensor) -> torch.Tensor:
+    """Features to keep (stored for training, or cached across epochs): fp16, half of fp32's
+    memory, unless a value would overflow fp16 (|x| > 65504, as in some Gemma layers): then
+    bf16, which has fp32's range. Already 16-bit features are returned as they are."""
+    if features.dtype in (torch.float16, torch.bfloat16):
+        return features
+    if features.numel() and float(features.abs().max()) > FP16_MAX:
+        return features.to(torch.bfloat16)
+    return features.to(torch.float16)
+
 
 def crop_cache_to_length(cache: DynamicCache, length: int) -> None:
     """Roll `cache` back so that it holds exactly the first `length` positions.
@@ -147,7 +166,7 @@ class TargetAdapter:
         features = None
         if layer_ids:
             # Layer id i = OUTPUT of decoder layer i = hidden_states[i + 1].
-            features = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+            features = target_features(out.hidden_states, layer_ids)[0]
         return TargetOutput(logits=out.logits[0].float(), features=features)
 
     def rollback(self, length: int) -> None:

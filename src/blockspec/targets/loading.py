@@ -118,6 +118,24 @@ def resolve_target(spec: str) -> tuple[str, str]:
     )
 
 
+def check_device(device: str) -> torch.device:
+    """The device, or a clear error when it is unknown or absent on this machine."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        raise InvalidArgumentError(f"unknown device {device!r}: {error}") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidArgumentError(f"device {device!r} was asked for, but this machine has no CUDA device "
+                                       "(or this torch build has no CUDA support)")
+        if parsed.index is not None and parsed.index >= count:
+            raise InvalidArgumentError(f"device {device!r} was asked for, but this machine has {count} CUDA device(s)")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidArgumentError(f"device {device!r} was asked for, but MPS is not available here")
+    return parsed
+
+
 def load_target(
     spec: str = DEFAULT_TARGET,
     *,
@@ -136,10 +154,7 @@ def load_target(
         torch.set_num_threads(threads)
     else:
         torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        torch.device(device)
-    except RuntimeError as error:
-        raise InvalidArgumentError(f"unknown device {device!r}: {error}") from None
+    check_device(device)
     source, name = resolve_target(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)

@@ -49,6 +49,10 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     epochs: int = 6
     max_steps: int | None = None  # stop early (the schedule still spans `epochs`)
+    # Stop after this many seconds of training steps (evaluation and saving excluded), and
+    # let the lr schedule (warmup, cosine) span this time instead of the epochs: A/B runs at
+    # equal compute, and a campaign that fits the time a session has. `epochs` stays a bound.
+    time_budget_s: float | None = None
     grad_clip: float = 1.0
     seed: int = 0
     # bookkeeping

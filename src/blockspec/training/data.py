@@ -50,6 +50,10 @@ class DataConfig:
     shard_size: int = 128
     seed: int = 0
     feature_layers: list[int] | None = None  # store these target layers' features (fp16) for training
+    # wrap every text prompt (not chat messages) as a benchmark formats its own, e.g. the
+    # math suffix "Please reason step by step ... \\boxed{}" on GSM8K *train* questions
+    prompt_prefix: str = ""
+    prompt_suffix: str = ""
 
 
 def read_sources(sources: list[str], split: str = "train", limit: int | None = None) -> list:
@@ -150,12 +154,15 @@ def build_dataset(target, config: DataConfig) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     prompts_file = output / "prompts.jsonl"
     if prompts_file.exists():  # resuming: the prompt list is fixed by the first run
+        check_data_target(output, target)
         prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines() if line]
         stored = json.loads((output / "meta.json").read_text())["config"].get("feature_layers")
         if stored != config.feature_layers:
             raise InvalidArgumentError(f"{output} was started with feature_layers={stored}; resume it with the same")
     else:
         prompts = read_sources(config.prompts, config.split, config.limit) if config.prompts else []
+        if config.prompt_prefix or config.prompt_suffix:
+            prompts = [config.prompt_prefix + p + config.prompt_suffix if isinstance(p, str) else p for p in prompts]
         if config.synthesize:
             prompts += synthesize_prompts(target, config.synthesize, config.seed, config.batch_size)
         if not prompts:
@@ -203,6 +210,25 @@ def build_dataset(target, config: DataConfig) -> Path:
     print(f"dataset: {len(prompts)} prompts in {num_shards} shards at {output} "
           f"({new_tokens} tokens regenerated this run in {time.perf_counter() - started:.0f} s)")
     return output
+
+
+def check_data_target(folder: Path, target) -> None:
+    """A dataset belongs to the target that wrote it: its token ids and features mean nothing
+    to another. Refuse to resume or train on a folder another target wrote (before anything
+    is written or trained)."""
+    meta = Path(folder) / "meta.json"
+    if not meta.exists():
+        return
+    try:
+        recorded = json.loads(meta.read_text()).get("target") or {}
+    except json.JSONDecodeError as error:
+        raise InvalidArgumentError(f"{meta} is not valid JSON: {error}") from None
+    mine = target.fingerprint()
+    differs = [key for key in ("tokenizer_sha256", "num_hidden_layers", "hidden_size", "vocab_size")
+               if recorded.get(key) is not None and mine.get(key) is not None and recorded[key] != mine[key]]
+    if differs:
+        raise InvalidArgumentError(f"{folder} was written by target {recorded.get('name')!r}, not this target "
+                                   f"{mine.get('name')!r} ({', '.join(differs)} differ): use another folder")
 
 
 def load_records(folders: str | os.PathLike | list) -> list[dict]:

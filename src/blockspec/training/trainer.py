@@ -28,10 +28,12 @@ from tqdm import tqdm
 from blockspec.atomic import replace_dir, write_text
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.stats import GenerationStats
+from blockspec.drafters.checkpoint import fit_problems
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
 from blockspec.errors import InvalidArgumentError
+from blockspec.targets.adapter import compact_features, target_features
 from blockspec.training.config import TrainConfig
-from blockspec.training.data import load_records
+from blockspec.training.data import check_data_target, load_records
 
 IGNORE = -100
 
@@ -173,7 +175,10 @@ class DFlashTrainer:
         self.target = target
         for parameter in target.model.parameters():
             parameter.requires_grad_(False)  # frozen: only the drafter trains
-        records = records if records is not None else load_records(config.data)
+        if records is None:
+            for folder in [f for f in str(config.data).split(",") if f.strip()]:
+                check_data_target(Path(folder), target)
+            records = load_records(config.data)
         order = list(range(len(records)))
         random.Random(config.seed).shuffle(order)
         holdout = min(config.holdout, max(0, len(records) - 1))
@@ -195,6 +200,9 @@ class DFlashTrainer:
             self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
+        # every module and buffer on the target's device; the weights stay fp32 (master
+        # weights), a CUDA step computes under bf16 autocast (`compute_loss`)
+        self.model.to(target.device)
         if hasattr(self.model, "head"):
             self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
             if config.draft_vocab_size or self.model.head_always_stored:
@@ -224,8 +232,17 @@ class DFlashTrainer:
         self.steps_per_epoch = max(1, len(self.train_records) // config.batch_size)
         self.total_steps = self.steps_per_epoch * config.epochs
         warmup = max(1, int(config.warmup_ratio * self.total_steps))
+        if config.time_budget_s is not None and not config.time_budget_s > 0:
+            raise InvalidArgumentError(f"time_budget_s must be > 0, got {config.time_budget_s}")
+        self.train_seconds = 0.0  # time spent in training steps so far (kept across resumes)
 
         def schedule(step: int) -> float:
+            if config.time_budget_s:  # warmup and cosine over the time budget
+                progress = self.train_seconds / config.time_budget_s
+                if progress < config.warmup_ratio:
+                    return max(progress, 1e-3) / config.warmup_ratio
+                progress = (progress - config.warmup_ratio) / max(1e-9, 1 - config.warmup_ratio)
+                return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
             if step < warmup:
                 return (step + 1) / warmup
             progress = (step - warmup) / max(1, self.total_steps - warmup)
@@ -302,6 +319,10 @@ class DFlashTrainer:
         t2d = self.t2d.to(labels.device)
         return torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the borrowed (frozen) head, which keeps the target's dtype."""
+        return F.linear(hidden.to(self._head[0].dtype), *self._head).float()
+
     def global_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (detached) summed over every process: the loss normaliser with which N
         processes together compute exactly one process's loss over the whole batch."""
@@ -319,7 +340,7 @@ class DFlashTrainer:
         valid = labels >= 0
         if not bool(valid.any()):
             return 0.0, 0.0, 0, 0
-        logits = F.linear(self.model.norm(hidden[valid]), *self._head).float()
+        logits = self.head_logits(self.model.norm(hidden[valid]))
         loss = weight * F.cross_entropy(logits, labels[valid], reduction="sum")
         with torch.no_grad():
             correct = int((logits.argmax(-1) == labels[valid]).sum())
@@ -364,16 +385,20 @@ class DFlashTrainer:
                 length = self._sequence(self.train_records[index])[0].numel()
                 everything = handle.get_tensor(key)[:length]
             width = everything.shape[-1] // len(stored_ids)
+            if not bool(torch.isfinite(everything).all()):
+                raise InvalidArgumentError(f"{path}: the stored features of record {key} hold inf/NaN (fp16 "
+                                           "overflow?): rebuild this dataset with the current `blockspec data`, "
+                                           "which stores bf16 where fp16 would overflow")
             chosen = [everything[:, stored_ids.index(i) * width:(stored_ids.index(i) + 1) * width] for i in layer_ids]
-            self._features[index] = torch.cat(chosen, dim=-1).to(torch.float16)
+            self._features[index] = compact_features(torch.cat(chosen, dim=-1))
         missing = [i for i in missing if i not in self._features]
         if missing:
             sequences, ids, attention = self._padded(missing)
             out = self.target.model(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
-            stacked = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            stacked = target_features(out.hidden_states, layer_ids)
             for row, index in enumerate(missing):
-                # fp16 in memory: the features of a whole dataset must fit in RAM for reuse each epoch
-                self._features[index] = stacked[row, : sequences[row].numel()].to(torch.float16)
+                # 16-bit in host memory: the features of a whole dataset must fit in RAM for reuse each epoch
+                self._features[index] = compact_features(stacked[row, : sequences[row].numel()].to("cpu"))
         return [self._features[i] for i in indices]
 
     @torch.inference_mode()
@@ -438,12 +463,12 @@ class DFlashTrainer:
         positions_all = torch.arange(context_len, device=device).expand(len(indices), -1)
         kv = self.model.context_key_values(context.to(device), positions_all)
         with torch.no_grad():
-            embeds = self.target.embed(block_ids.to(device))
+            embeds = self.target.embed(block_ids.to(device)).to(dtype)  # the target may run in another dtype
         hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
         weights = self.weights.repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
         labels = self.draft_labels(labels)
         valid = labels >= 0  # has a label, inside the draft vocabulary
-        logits = F.linear(hidden[valid], *self._head).float()  # only rows with a label
+        logits = self.head_logits(hidden[valid])  # only rows with a label
         targets = labels[valid].to(device)
         if config.distill_topk:  # cross-entropy against the target's (top-k) distribution
             soft_ids, soft_probs = self.soft_labels(list(indices), positions, labels)
@@ -459,13 +484,20 @@ class DFlashTrainer:
             correct = (logits.argmax(-1) == targets).float()
         return loss, {"loss": float(loss.detach()), "acc": float(correct.mean()) if correct.numel() else 0.0}
 
+    def out_of_time(self) -> bool:
+        return bool(self.config.time_budget_s) and self.train_seconds >= self.config.time_budget_s
+
     def train_step(self) -> dict:
+        started = time.perf_counter()
         indices = self.batch_indices(self.step)
         if self.world_size > 1:  # each rank takes its share of the global batch
             indices = indices[self.rank::self.world_size]
         epoch = self.step // self.steps_per_epoch
         self.ddp_model.train()
-        loss, metrics = self.compute_loss(indices, epoch)
+        # bf16 autocast on a GPU (fp32 master weights, fp32 loss); a CPU step stays fp32:
+        # this CPU has no bf16 compute
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.target.device.type == "cuda"):
+            loss, metrics = self.compute_loss(indices, epoch)
         self.optimizer.zero_grad(set_to_none=True)
         # DDP AVERAGES gradients over ranks while each rank's loss is already its share
         # of the global loss: scale back up by the world size.
@@ -481,9 +513,16 @@ class DFlashTrainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        if self.world_size > 1:  # every rank stops at the same step: the slowest rank's clock
+            import torch.distributed as dist
+
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        self.train_seconds += float(elapsed)
         self.scheduler.step()
         self.step += 1
-        metrics.update(step=self.step, lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm))
+        metrics.update(step=self.step, lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+                       train_s=round(self.train_seconds, 2))
         return metrics
 
     # --- evaluation ------------------------------------------------------------------
@@ -497,7 +536,8 @@ class DFlashTrainer:
             return self._evaluate_tau(model)
 
     def _evaluate_tau(self, model) -> float:
-        model.eval()
+        # the drafter binds an eval-mode copy (bind_to_target): the model under the optimizer
+        # keeps its mode, device and dtype
         engine = SpecEngine(self.target, self.make_drafter(model), self.config.block_size)
         committed = steps = 0
         for record in self.eval_records[: self.config.eval_prompts]:
@@ -526,6 +566,7 @@ class DFlashTrainer:
             model.write_files(staging)
             torch.save({"step": self.step, "optimizer": optimizer_state,
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                        "train_seconds": self.train_seconds,
                         "config": asdict(self.config)}, staging / "trainer_state.pt")
         return self.output / name
 
@@ -534,6 +575,15 @@ class DFlashTrainer:
         if not (folder / "trainer_state.pt").exists():
             return False
         restored = type(self.model).from_pretrained(folder)
+        # a run folder of another target (or of another drafter shape) is refused, not overwritten
+        problems = fit_problems(restored.config, self.target)
+        mine = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        theirs = {n: tuple(t.shape) for n, t in restored.state_dict().items()}
+        if mine != theirs:
+            problems.append("its drafter has another shape than this run's options")
+        if problems:
+            raise InvalidArgumentError(f"cannot resume {folder}: {'; '.join(problems)}; pass another --output "
+                                       "(or the options it was started with)")
         state = torch.load(folder / "trainer_state.pt", weights_only=True)  # tensors and plain types only
         if self.replica is None:
             self.model.load_state_dict(restored.state_dict())
@@ -548,6 +598,7 @@ class DFlashTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step = state["step"]
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         return True
 
     # --- the run ---------------------------------------------------------------------
@@ -566,9 +617,10 @@ class DFlashTrainer:
             (self.output / "train_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
         bar = tqdm(total=last_steps, initial=self.step, desc="training", unit="step", disable=not is_main)
         started = time.perf_counter()
-        while self.step < last_steps:
+        while self.step < last_steps and not self.out_of_time():
             metrics = self.train_step()
-            if config.eval_every and (self.step % config.eval_every == 0 or self.step == last_steps):
+            done = self.step == last_steps or self.out_of_time()
+            if config.eval_every and (self.step % config.eval_every == 0 or done):
                 tau = self.evaluate_tau()
                 if tau is not None:
                     metrics["tau"] = tau
@@ -577,7 +629,7 @@ class DFlashTrainer:
                 write_text(log_path, "".join(json.dumps(row) + "\n" for row in history))
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}",
                                 **({"tau": f"{metrics['tau']:.2f}"} if "tau" in metrics else {}))
-            if self.step % config.save_every == 0 or self.step == last_steps:
+            if self.step % config.save_every == 0 or done:
                 self.save()
             bar.update(1)
         bar.close()
