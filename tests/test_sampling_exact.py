@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 
 from blockspec.decoding.acceptance import accept_rejection_sampling
 from blockspec.decoding.engine import SpecEngine
-from blockspec.decoding.sampling import SamplingParams, warp_probs
+from blockspec.decoding.sampling import SamplingParams, TokenSampler, warp_probs
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
 from conftest import tiny_target
 
@@ -151,8 +151,39 @@ def test_rejection_rule_single_position_exact():
     params = SamplingParams(temperature=1.0)
     p = warp_probs(p_logits[:1], params)[0].double().numpy()
     counts = np.zeros(4)
-    for _ in range(20000):
+    for draw in range(20000):
         draft = torch.multinomial(q[0], 1, generator=generator)
-        accepted, bonus = accept_rejection_sampling(p_logits, draft, q, params, generator)
+        accepted, bonus = accept_rejection_sampling(p_logits, draft, q, params, TokenSampler(draw), 0)
         counts[int(draft[0]) if accepted else bonus] += 1
     assert chisquare(counts, p / p.sum() * counts.sum()).pvalue > 1e-3
+
+
+def test_a_seeded_request_gives_the_same_text_with_any_drafting_alone_or_batched():
+    """The target's random choices are keyed by output position (TokenSampler): at T > 0 a
+    seeded request is plain sampling's text, whatever was drafted, batched beside others or not."""
+    from blockspec.decoding.batched_spec import BatchedSpecEngine
+    from conftest import OracleDrafter
+
+    target = tiny_target("llama", vocab_size=96)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    plain = [t for c in SpecEngine(target, None, 1).generate(PROMPT, max_new_tokens=40, params=params,
+                                                            stop_token_ids=()) for t in c]
+    drafter = OracleDrafter(plain, corrupt_prob=0.5, seed=3)
+    drafted = [t for c in SpecEngine(target, drafter, 6).generate(PROMPT, max_new_tokens=40, params=params,
+                                                                  stop_token_ids=()) for t in c]
+    assert drafted == plain
+    batched = BatchedSpecEngine(target, OracleDrafter(plain, corrupt_prob=0.3, seed=5), 6, max_batch=4)
+    outputs: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for index, (prompt, seed) in enumerate([(PROMPT, 7), ([4, 4, 1, 9], 8), (PROMPT, 99)]):
+        batched.add(prompt, max_new_tokens=40, params=SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
+                    stop_token_ids=(), on_chunk=outputs[index].extend, on_done=lambda stats: None)
+    while batched.busy:
+        batched.step()
+    assert outputs[0] == plain
+    assert outputs[2] != plain  # another seed, another text
+
+
+def test_a_tiny_temperature_is_greedy_not_an_overflow():
+    logits = torch.tensor([[3.0, 1.0, 2.9, -50.0]])
+    probs = warp_probs(logits, SamplingParams(temperature=1e-37))
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))

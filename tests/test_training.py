@@ -273,3 +273,17 @@ def test_distillation_from_the_targets_top1_is_the_hard_label_loss(tmp_path):
     assert losses[5] != pytest.approx(losses[0], rel=1e-3)
     with pytest.raises(InvalidArgumentError, match="distill_topk"):
         DFlashTrainer(small_config(tmp_path / "bad", distill_topk=-1), target, records)
+
+
+def test_expected_length_weights_follow_the_drafters_own_accuracy(tmp_path):
+    target = tiny_target("llama")
+    trainer = DFlashTrainer(small_config(tmp_path, loss_weighting="expected-length", epochs=3), target,
+                            [one_record(target)])
+    trainer.position_accuracy = torch.tensor([0.0, 0.9, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
+    weights = trainer.position_weights()
+    torch.testing.assert_close(weights[:5], torch.tensor([0.0, 1.0, 0.9, 0.45, 0.225]))
+    trainer.run()  # the running accuracy moves with training and the loss stays finite
+    assert not torch.equal(trainer.position_accuracy[1:], torch.tensor([0.9, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]))
+    assert float(trainer.position_weights()[1]) == 1.0
+    with pytest.raises(InvalidArgumentError, match="loss_weighting"):
+        DFlashTrainer(small_config(tmp_path, loss_weighting="dpace"), target, [one_record(target)])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.decoding.sampling import SamplingParams, TokenSampler, warp_probs
 
 
 def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
@@ -21,15 +21,17 @@ def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
 
 
 def accept_by_matching_samples(
-    target_logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, params: SamplingParams, sampler: TokenSampler,
+    position: int,
 ) -> tuple[int, int]:
     """T > 0 with one-hot drafts (the reference rule).
 
     Sample the target's own token at every position; a draft survives only if it
     equals that sample. Each kept token is a genuine target sample given a prefix
     that is itself the target's, so the output distribution is the target's.
+    `position` is the output position of the first token decided here.
     """
-    target_tokens = sample(warp_probs(target_logits, params), generator)
+    target_tokens = sampler.sample(warp_probs(target_logits, params), position)
     return _match_prefix(target_tokens, draft_tokens)
 
 
@@ -38,7 +40,8 @@ def accept_rejection_sampling(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    sampler: TokenSampler,
+    position: int,
 ) -> tuple[int, int]:
     """T > 0 with probabilistic drafts: accept x with min(1, p(x)/q(x)), else resample
     from the residual max(0, p - q) normalised (Leviathan et al.; Chen et al.)."""
@@ -47,7 +50,7 @@ def accept_rejection_sampling(
     positions = torch.arange(k)
     p_draft = p[positions, draft_tokens]
     q_draft = draft_probs[positions, draft_tokens]
-    uniforms = torch.rand(k, generator=generator)
+    uniforms = sampler.uniforms(position, k, stream=1).float()
     # accept iff u < p/q  <=>  u * q < p (q > 0 for a token that was sampled from q)
     accepted = (uniforms * q_draft < p_draft).int()
     accept_length = int(accepted.cumprod(0).sum())
@@ -56,8 +59,8 @@ def accept_rejection_sampling(
         total = residual.sum()
         # total == 0 only if p == q exactly, where rejection has probability 0.
         residual = residual / total if total > 0 else p[accept_length]
-        return accept_length, int(sample(residual.view(1, -1), generator)[0])
-    return accept_length, int(sample(p[k].view(1, -1), generator)[0])
+        return accept_length, int(sampler.sample(residual.view(1, -1), position + accept_length, stream=2)[0])
+    return accept_length, int(sampler.sample(p[k].view(1, -1), position + k, stream=2)[0])
 
 
 def _match_prefix(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:

@@ -34,7 +34,7 @@ import torch
 
 from blockspec.decoding.engine import check_request, committed_tokens, record_logprobs, verify
 from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
-from blockspec.decoding.sampling import SamplingParams, next_token
+from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token
 from blockspec.drafters.base import Draft
 from blockspec.decoding.stats import GenerationStats
 from blockspec.errors import InvalidArgumentError
@@ -51,7 +51,8 @@ class BatchRow:
     on_chunk: Callable[[list[int]], None]  # receives each committed chunk
     on_done: Callable[[GenerationStats], None]
     drafter: object = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the drafter's random choices (sampled drafts)
+    sampler: TokenSampler | None = None  # the target's, keyed by output position
     stats: GenerationStats = None
     logprobs: list | None = None
     top_logprobs: int = 0
@@ -119,12 +120,13 @@ class BatchedSpecEngine:
     def _prefill(self, row: BatchRow) -> None:
         started = time.perf_counter()
         row.generator = None if row.params.greedy else row.params.generator()
+        row.sampler = None if row.params.greedy else TokenSampler(row.params.seed)
         prompt = torch.tensor(row.tokens)
         single = new_cache(self.target.model.config)
         out = self.target.model(input_ids=prompt[None].to(self.target.device), cache=single, use_cache=True,
                                 output_hidden_states=bool(self.layer_ids), logits_to_keep=1)
         logits = out.logits[0, -1].float()
-        first = next_token(logits, row.params, row.generator)
+        first = next_token(logits, row.params, row.sampler, 0)
         if row.logprobs is not None:
             record_logprobs(row.logprobs, logits[None], [first], row.top_logprobs)
         drafter = None
@@ -237,7 +239,8 @@ class BatchedSpecEngine:
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
             count = lengths[i] - 1
             row_draft = draft if draft is not None else _NO_DRAFT
-            accept_length, bonus = verify(logits[i, :count + 1], row_draft, row.params, row.generator)
+            accept_length, bonus = verify(logits[i, :count + 1], row_draft, row.params, row.sampler,
+                                          row.stats.new_tokens)
             new_valid[i, :accept_length + 1] = True
             if row.drafter is not None:  # the drafter reads these when it drafts next (`_catch_up`)
                 row.unseen_ids.append(ids[i, :accept_length + 1])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.decoding.engine import check_request
-from blockspec.decoding.sampling import SamplingParams, next_token, sample, warp_probs
+from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token, sample, warp_probs
 from blockspec.errors import InvalidArgumentError
 
 
@@ -119,7 +119,8 @@ class DiffusionDecoder:
         target.reset()
         out = target.forward(prompt, layer_ids)
         target.rollback(prompt.numel())
-        first = next_token(out.logits[-1], params, generator)  # the target's own, as in speculative decoding
+        sampler = None if params.greedy else TokenSampler(params.seed)
+        first = next_token(out.logits[-1], params, sampler, 0)  # the target's own, as in speculative decoding
         drafter.begin(prompt, out.features)
         tokens = prompt.tolist() + [first]
         stats.new_tokens = 1

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from blockspec.decoding.acceptance import accept_by_matching_samples, accept_greedy, accept_rejection_sampling
-from blockspec.decoding.sampling import SamplingParams, next_token
+from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token
 from blockspec.decoding.stats import GenerationStats
 from blockspec.drafters.base import Draft, Drafter
 from blockspec.errors import InvalidArgumentError
@@ -59,13 +59,15 @@ class SpecEngine:
         max_new_tokens, stop_ids = check_request(target, prompt.numel(), max_new_tokens, stop_token_ids)
         stats = stats if stats is not None else GenerationStats(self.block_size)
         layer_ids = drafter.target_layer_ids if drafter is not None else ()
+        # the drafter's own random choices (sampled drafts) and the target's (keyed by position)
         generator = None if params.greedy else params.generator()
+        sampler = None if params.greedy else TokenSampler(params.seed)
 
         started = time.perf_counter()
         target.reset()
         out = target.forward(prompt, layer_ids)
         target.rollback(prompt.numel())  # trims sliding-window layers; removes nothing
-        first = next_token(out.logits[-1], params, generator)
+        first = next_token(out.logits[-1], params, sampler, 0)
         if logprobs is not None:
             record_logprobs(logprobs, out.logits[-1:], [first], top_logprobs)
         if drafter is not None:
@@ -85,7 +87,7 @@ class SpecEngine:
                 num_drafts = draft.tokens.numel()
                 verify_ids = torch.cat([tokens[-1:], draft.tokens])
                 out = target.forward(verify_ids, layer_ids)
-                accept_length, bonus = verify(out.logits, draft, params, generator)
+                accept_length, bonus = verify(out.logits, draft, params, sampler, stats.new_tokens)
                 # The target keeps K/V of the anchor and the accepted drafts; the bonus
                 # token has none yet: it is the next anchor, written by the next pass.
                 target.rollback(tokens.numel() + accept_length)
@@ -122,14 +124,16 @@ def check_request(target, prompt_len: int, max_new_tokens: int, stop_token_ids=N
     return min(max_new_tokens, target.max_context - prompt_len), stop_ids
 
 
-def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, generator) -> tuple[int, int]:
+def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, sampler: TokenSampler | None,
+           position: int) -> tuple[int, int]:
     """The one verifier every engine uses: (accept_length, bonus token) for `draft` given the
-    target's logits over [anchor, drafts]."""
+    target's logits over [anchor, drafts]; `position` is the output position of the first
+    token decided (the number of tokens generated so far)."""
     if params.greedy:
         return accept_greedy(logits, draft.tokens)
     if draft.probs is None:
-        return accept_by_matching_samples(logits, draft.tokens, params, generator)
-    return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, generator)
+        return accept_by_matching_samples(logits, draft.tokens, params, sampler, position)
+    return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, sampler, position)
 
 
 def committed_tokens(draft: Draft, accept_length: int, bonus: int, stop_ids: set[int]) -> list[int]:

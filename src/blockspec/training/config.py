@@ -35,6 +35,10 @@ class TrainConfig:
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8
+    # how much each draft position's loss counts: "decay" = exp(-(k-1)/gamma) (the reference);
+    # "expected-length" (D-PACE-style) = the chance that drafting reaches position k, i.e. the
+    # product of the drafter's own running top-1 accuracy at positions 1..k-1
+    loss_weighting: str = "decay"
     # Reveal a random share of each block's tokens (ratio ~ U(0, 1]) so that the drafter
     # learns to fill partially masked blocks: needed for iterative unmasking in diffusion mode.
     random_mask: bool = False

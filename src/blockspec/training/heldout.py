@@ -26,6 +26,8 @@ class Acceptance:
     steps: int = 0
     committed: int = 0  # accepted drafts + one bonus token per step
     accept_hist: list[int] = field(default_factory=list)
+    tokens: int = 0  # the target's output tokens
+    in_vocabulary: int = 0  # ... of which the drafter can propose (its draft vocabulary)
 
     def add(self, accept_hist: list[int]) -> None:
         if not self.accept_hist:
@@ -45,7 +47,9 @@ class Acceptance:
         return 1.0 - self.accept_hist[0] / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
-        return {"tau": round(self.tau, 4), "pos1": round(self.first_position_rate, 4), "steps": self.steps}
+        coverage = self.in_vocabulary / self.tokens if self.tokens else 0.0
+        return {"tau": round(self.tau, 4), "pos1": round(self.first_position_rate, 4), "steps": self.steps,
+                "vocab_coverage": round(coverage, 4)}
 
 
 def heldout_acceptance(target, drafter, *, datasets: list[str], data_dir: str | None, limit: int,
@@ -54,14 +58,22 @@ def heldout_acceptance(target, drafter, *, datasets: list[str], data_dir: str | 
     """{'datasets': {name: {...}}, 'domains': {'math+code': {...}, 'chat': {...}}} at T=0.
     `seed` picks the subset of each test split (the bench uses seed 0 for its own)."""
     decoder = SpecDecoder(target, drafter, block_size)
+    # a reduced draft vocabulary: every target token outside it is a certain rejection
+    d2t = getattr(getattr(drafter, "model", None), "d2t", None)
+    proposable = set(d2t.tolist()) if d2t is not None else None
     per_dataset: dict[str, Acceptance] = {}
     per_domain: dict[str, Acceptance] = {}
     for dataset in datasets:
         prompts = load_prompts(dataset, data_dir, limit, seed)
         for prompt in tqdm(prompts, desc=f"held-out {dataset}", unit="prompt", disable=not progress):
             sample = run_prompt(decoder, prompt, max_new_tokens, temperature=0.0, seed=seed)
-            per_dataset.setdefault(dataset, Acceptance()).add(sample.accept_hist)
-            per_domain.setdefault(DOMAINS.get(dataset, dataset), Acceptance()).add(sample.accept_hist)
+            outputs = [t for turn in sample.token_ids for t in turn]
+            covered = sum(1 for t in outputs if t in proposable) if proposable is not None else len(outputs)
+            for pool in (per_dataset.setdefault(dataset, Acceptance()),
+                         per_domain.setdefault(DOMAINS.get(dataset, dataset), Acceptance())):
+                pool.add(sample.accept_hist)
+                pool.tokens += len(outputs)
+                pool.in_vocabulary += covered
     return {"datasets": {name: a.as_dict() for name, a in per_dataset.items()},
             "domains": {name: a.as_dict() for name, a in per_domain.items()},
             "block_size": block_size, "max_new_tokens": max_new_tokens, "prompts_per_dataset": limit,
@@ -69,7 +81,8 @@ def heldout_acceptance(target, drafter, *, datasets: list[str], data_dir: str | 
 
 
 def format_acceptance(result: dict) -> str:
-    rows = [f"{name:>10}: tau {r['tau']:.2f}  pos-1 {r['pos1']:.2f}  ({r['steps']} steps)"
+    rows = [f"{name:>10}: tau {r['tau']:.2f}  pos-1 {r['pos1']:.2f}  draft-vocabulary coverage "
+            f"{r['vocab_coverage']:.3f}  ({r['steps']} steps)"
             for name, r in {**result["datasets"], **result["domains"]}.items()]
     return "\n".join(rows)
 

@@ -250,6 +250,11 @@ class DFlashTrainer:
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.weights = loss_weights(config.block_size, config.resolved_gamma())
+        if config.loss_weighting not in ("decay", "expected-length"):
+            raise InvalidArgumentError(f"loss_weighting must be decay or expected-length, got {config.loss_weighting!r}")
+        # running top-1 accuracy per block position (index 0, the anchor, unused): the
+        # expected-length weights come from it; kept in the trainer state for exact resume
+        self.position_accuracy = torch.full((config.block_size,), 0.5)
         self.step = 0
         self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
         self._top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # record index -> target top-k (ids, probs)
@@ -465,7 +470,7 @@ class DFlashTrainer:
         with torch.no_grad():
             embeds = self.target.embed(block_ids.to(device)).to(dtype)  # the target may run in another dtype
         hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
-        weights = self.weights.repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
+        weights = self.position_weights().repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
         labels = self.draft_labels(labels)
         valid = labels >= 0  # has a label, inside the draft vocabulary
         logits = self.head_logits(hidden[valid])  # only rows with a label
@@ -482,7 +487,29 @@ class DFlashTrainer:
         loss = (per_token * w).sum() / weight_sum.clamp_min(1e-8)
         with torch.no_grad():
             correct = (logits.argmax(-1) == targets).float()
+            block_position = (torch.arange(labels.shape[1]) % config.block_size).expand_as(labels)[valid.cpu()]
+            self.observe_accuracy(block_position, correct.cpu())
         return loss, {"loss": float(loss.detach()), "acc": float(correct.mean()) if correct.numel() else 0.0}
+
+    def position_weights(self) -> torch.Tensor:
+        """Loss weight per block position (0 for the anchor)."""
+        if self.config.loss_weighting == "decay":
+            return self.weights
+        reach = torch.ones(self.config.block_size)
+        reach[2:] = torch.cumprod(self.position_accuracy[1:-1], 0)  # position k needs 1..k-1 accepted
+        reach[0] = 0.0
+        return reach.clamp_min(1e-3) * (reach > 0)
+
+    def observe_accuracy(self, block_position: torch.Tensor, correct: torch.Tensor, momentum: float = 0.95) -> None:
+        """Fold one step's top-1 accuracy per block position into the running estimate (the
+        counts summed over processes, so every rank weighs the loss alike)."""
+        size = self.config.block_size
+        counts = torch.stack([torch.bincount(block_position, weights=correct, minlength=size),
+                              torch.bincount(block_position, minlength=size).float()])
+        counts = self.global_sum(counts.to(self.target.device)).cpu()  # NCCL reduces GPU tensors only
+        seen = counts[1] > 0
+        rate = counts[0][seen] / counts[1][seen]
+        self.position_accuracy[seen] = momentum * self.position_accuracy[seen] + (1 - momentum) * rate
 
     def out_of_time(self) -> bool:
         return bool(self.config.time_budget_s) and self.train_seconds >= self.config.time_budget_s
@@ -566,7 +593,7 @@ class DFlashTrainer:
             model.write_files(staging)
             torch.save({"step": self.step, "optimizer": optimizer_state,
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
-                        "train_seconds": self.train_seconds,
+                        "train_seconds": self.train_seconds, "position_accuracy": self.position_accuracy,
                         "config": asdict(self.config)}, staging / "trainer_state.pt")
         return self.output / name
 
@@ -599,6 +626,8 @@ class DFlashTrainer:
         torch.set_rng_state(state["rng"])
         self.step = state["step"]
         self.train_seconds = float(state.get("train_seconds", 0.0))
+        if "position_accuracy" in state:
+            self.position_accuracy = state["position_accuracy"].clone()
         return True
 
     # --- the run ---------------------------------------------------------------------

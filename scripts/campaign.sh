@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The drafter campaign for the default target (issue 13): one ROUND per session, run in the
+# background beside other work, every step resumable (rerun the same command after a kill).
+#
+#   ROUND=1 THREADS=1 BUDGET_S=2400 nohup scripts/campaign.sh > runs/campaign/round-1.log 2>&1 &
+#
+# A round: (1) regenerates a new slice of training prompts with the target (the benchmark's
+# own prompt format on the GSM8K *train* split, plus the project's coding and everyday prompts
+# in round 1 and self-synthesized ones later), features stored; (2) trains a drafter for
+# BUDGET_S seconds of training steps on EVERY round's data so far, warm-started from the
+# shipped drafter; (3) measures held-out tau (`blockspec eval-drafter`: benchmark test prompts
+# that training never sees) and (4) ships it only when it beats the shipped drafter on both
+# domains (math+code and chat), appending the result to runs/campaign/ledger.jsonl.
+# THREADS keeps the job to part of the CPU (two torch processes at full threads thrash).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUND=${ROUND:?set ROUND=1, 2, ...}
+THREADS=${THREADS:-1}
+BUDGET_S=${BUDGET_S:-2400}
+DATA=${DATA:-../shared/data}
+BS=.venv/bin/blockspec
+C=runs/campaign
+SHIPPED=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
+LAYERS=1,8,15,22,27
+SUFFIX=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
+mkdir -p "$C/eval"
+
+# (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages)
+START=$((1448 + 800 * (ROUND - 1)))
+$BS data --target default --output "$C/regen-math-$ROUND" --prompts "$DATA/gsm8k/train.jsonl[$START:$((START + 800))]" \
+    --prompt-suffix "$SUFFIX" --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
+    --seed "$ROUND" --threads "$THREADS"
+if [ "$ROUND" = 1 ]; then
+  MIXED=(--prompts builtin:coding_tasks --prompts builtin:everyday_questions)
+else
+  MIXED=(--synthesize 400)
+fi
+$BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size 32 \
+    --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
+FOLDERS=$(ls -d "$C"/regen-*-* | sort | paste -sd, -)
+
+# (2) train on everything so far, from the drafter shipped now
+RUN="$C/train-$ROUND"
+RESUME=()
+[ -f "$RUN/latest/trainer_state.pt" ] && RESUME=(--resume)
+if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
+  $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$SHIPPED" \
+      --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size 8192 \
+      --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
+      --time-budget-s "$BUDGET_S" --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS"
+fi
+
+# (3) held-out tau of the candidate and of what is shipped now (same prompts, same settings)
+EVAL=(--data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --threads "$THREADS")
+SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
+[ -f "$C/eval/shipped-$SHIPPED_HASH.json" ] || $BS eval-drafter auto "${EVAL[@]}" --output "$C/eval/shipped-$SHIPPED_HASH.json"
+[ -f "$C/eval/train-$ROUND.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --output "$C/eval/train-$ROUND.json"
+
+# (4) ship only a better drafter; the ledger keeps every round's numbers
+.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" <<'EOF'
+import json, subprocess, sys
+from pathlib import Path
+
+campaign, round_, shipped_hash, run, shipped = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+ledger_path = campaign / "ledger.jsonl"
+done = [json.loads(l) for l in ledger_path.read_text().splitlines() if l] if ledger_path.exists() else []
+if any(entry["round"] == int(round_) for entry in done):
+    sys.exit(f"round {round_} is already in {ledger_path}")
+old = json.loads((campaign / "eval" / f"shipped-{shipped_hash}.json").read_text())["domains"]
+new = json.loads((campaign / "eval" / f"train-{round_}.json").read_text())["domains"]
+history = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
+better = all(new[d]["tau"] > old[d]["tau"] for d in old)
+entry = {"round": int(round_), "shipped_before": shipped_hash, "heldout_before": old, "heldout_after": new,
+         "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "shipped": better}
+with open(ledger_path, "a") as ledger:
+    ledger.write(json.dumps(entry) + "\n")
+print(json.dumps(entry, indent=1))
+if better:
+    subprocess.run([sys.executable, "scripts/ship_drafter.py", f"{run}/final", shipped, f"{run}/metrics.png"], check=True)
+EOF
