@@ -314,3 +314,25 @@ def test_drafters_draft_every_row_together_as_they_would_alone(kind, sampled):
         assert (mine.probs is None) == (theirs.probs is None) == (not sampled or kind == "dflash")
         if mine.probs is not None:  # the distributions the rejection sampler reads agree too
             torch.testing.assert_close(mine.probs, theirs.probs, atol=1e-5, rtol=1e-4)
+
+
+def test_a_failing_row_fails_alone_and_its_neighbours_finish_as_greedy():
+    target = tiny_target("llama")
+    references = [hf_greedy(target.model, p, 20, EOS) for p in PROMPTS[:3]]
+    engine = BatchedSpecEngine(target, make_drafter("prompt-lookup", target, PROMPTS[0], references[0]),
+                               block_size=6, max_batch=3)
+    healthy = [collect(engine, PROMPTS[0], 20), collect(engine, PROMPTS[2], 20)]
+    failed = {"stats": None}
+
+    def broken_client(chunk):  # e.g. a sampling overflow or a callback bug in ONE request
+        raise RuntimeError("this row's own failure")
+
+    row = engine.add(PROMPTS[1], max_new_tokens=20, stop_token_ids=EOS, on_chunk=lambda chunk: None,
+                     on_done=lambda stats: failed.__setitem__("stats", stats))
+    engine.step()  # prefill (first chunk) goes through; the failure comes in a verify step
+    row.on_chunk = broken_client
+    engine.run()
+    assert isinstance(row.error, RuntimeError) and failed["stats"] is not None
+    for out, prompt, reference in zip(healthy, [PROMPTS[0], PROMPTS[2]], [references[0], references[2]]):
+        assert_same_or_near_tie(target.model, prompt, out["tokens"], reference)
+    assert not engine.busy

@@ -131,9 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="loopback by default; 0.0.0.0 exposes the server")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the target)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health "
+                       "(better: the BLOCKSPEC_API_KEY environment variable, which `ps` does not show)")
     serve.add_argument("--max-queue", type=_positive_int, default=32, help="queued requests beyond this get HTTP 429")
     serve.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, queue included")
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=2 * 2**20,
+                       help="larger request bodies get HTTP 413 before they are read")
     serve.add_argument("--max-batch", type=_positive_int, default=8,
                        help="requests decoded together in one target pass per step (1: one at a time)")
     serve.add_argument("--threads", type=_positive_int, default=None)
@@ -399,6 +402,9 @@ def _check_drafter(args) -> int:
 
 
 def _serve(args) -> int:
+    import logging
+    import math
+
     import uvicorn
 
     import blockspec
@@ -406,9 +412,21 @@ def _serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise BlockspecError(f"port must be in 1..65535, got {args.port}")
+    if not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
+        raise BlockspecError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    api_key = args.api_key or os.environ.get("BLOCKSPEC_API_KEY") or None
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if not loopback and api_key is None:
+        print(f"blockspec serve: warning: --host {args.host} without an API key: anyone who reaches this machine "
+              "can use the model (set BLOCKSPEC_API_KEY or --api-key)", file=sys.stderr, flush=True)
+    # a keyless loopback server answers only requests addressed to loopback names (DNS rebinding);
+    # a server bound elsewhere without a key is open by choice (warned above)
+    allowed_hosts = ("127.0.0.1", "localhost", "[::1]", "::1") if loopback else None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads)
-    config = ServerConfig(model_name=args.model_name or args.target, api_key=args.api_key, max_queue=args.max_queue,
-                          request_timeout_s=args.request_timeout, max_batch=args.max_batch)
+    config = ServerConfig(model_name=args.model_name or args.target, api_key=api_key, max_queue=args.max_queue,
+                          request_timeout_s=args.request_timeout, max_batch=args.max_batch,
+                          max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts)
     print(f"serving {config.model_name} (drafter {decoder.drafter.name if decoder.drafter else 'none'}, "
           f"block {decoder.block_size}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(decoder, config), host=args.host, port=args.port, log_level="warning")

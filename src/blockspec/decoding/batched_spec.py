@@ -237,29 +237,34 @@ class BatchedSpecEngine:
         new_valid = torch.zeros(batch, width_q, dtype=torch.bool)
         finished = []
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
-            count = lengths[i] - 1
-            row_draft = draft if draft is not None else _NO_DRAFT
-            accept_length, bonus = verify(logits[i, :count + 1], row_draft, row.params, row.sampler,
-                                          row.stats.new_tokens)
-            new_valid[i, :accept_length + 1] = True
-            if row.drafter is not None:  # the drafter reads these when it drafts next (`_catch_up`)
-                row.unseen_ids.append(ids[i, :accept_length + 1])
-                if features is not None:  # a copy: a view would keep the whole batch's features alive
-                    row.unseen_features.append(features[i, :accept_length + 1].clone())
-            row.stats.record_step(count, accept_length)
-            if self.planner is not None:
-                self.planner.age(row.acceptance)
-                if count:
-                    self.planner.observe(row.acceptance, count, accept_length)
-            new = committed_tokens(row_draft, accept_length, bonus, row.stop_ids)
-            new = new[: row.max_new_tokens - row.stats.new_tokens]
-            if row.logprobs is not None:
-                record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
-            row.tokens += new
-            row.stats.new_tokens += len(new)
-            row.on_chunk(new)
-            if new[-1] in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
-                finished.append(i)
+            try:
+                count = lengths[i] - 1
+                row_draft = draft if draft is not None else _NO_DRAFT
+                accept_length, bonus = verify(logits[i, :count + 1], row_draft, row.params, row.sampler,
+                                              row.stats.new_tokens)
+                new_valid[i, :accept_length + 1] = True
+                if row.drafter is not None:  # the drafter reads these when it drafts next (`_catch_up`)
+                    row.unseen_ids.append(ids[i, :accept_length + 1])
+                    if features is not None:  # a copy: a view would keep the whole batch's features alive
+                        row.unseen_features.append(features[i, :accept_length + 1].clone())
+                row.stats.record_step(count, accept_length)
+                if self.planner is not None:
+                    self.planner.age(row.acceptance)
+                    if count:
+                        self.planner.observe(row.acceptance, count, accept_length)
+                new = committed_tokens(row_draft, accept_length, bonus, row.stop_ids)
+                new = new[: row.max_new_tokens - row.stats.new_tokens]
+                if row.logprobs is not None:
+                    record_logprobs(row.logprobs, logits[i, :len(new)], new, row.top_logprobs)
+                row.tokens += new
+                row.stats.new_tokens += len(new)
+                row.on_chunk(new)
+                if new[-1] in row.stop_ids or row.stats.new_tokens >= row.max_new_tokens:
+                    finished.append(i)
+            except Exception as error:  # this row alone fails (its sampling, its callbacks); the batch goes on
+                row.error = error
+                if i not in finished:
+                    finished.append(i)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         if self.planner is not None:  # drafting's cost includes the catch-up of the drafting rows
             self.planner.record(batch * width_q, time.perf_counter() - started - drafting_seconds,

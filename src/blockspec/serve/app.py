@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import queue
 import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockspec.decoding.batched_spec import BatchedSpecEngine
@@ -41,6 +45,8 @@ from blockspec.errors import BlockspecError
 from blockspec.pipeline import TextStream
 
 MAX_N = 8
+CHARS_PER_TOKEN = 32
+DISCONNECT_CHECK_S = 0.5
 
 
 class ApiError(Exception):
@@ -49,26 +55,62 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+log = logging.getLogger("blockspec.serve")
+
+
+def internal_error(error: BaseException) -> "ApiError":
+    """A 500 whose body names no internals; the server log keeps the traceback under an id."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error %s: %s", incident, type(error).__name__,
+              exc_info=(type(error), error, error.__traceback__))
+    return ApiError(500, f"internal server error (logged as {incident})", kind="server_error")
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # --- request schemas: unknown fields ignored, known ones strictly checked ---------------
+# OpenAI's ranges and types: a JSON `true` or `"5"` is not a number, nor `"yes"` a boolean.
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 512
+INT64 = 2**63
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = Field(default=None, gt=0)
-    max_completion_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)  # 0: off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, gt=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
+    # 0..2 as OpenAI; a tiny positive temperature is sampled safely (sampling.warp_probs)
+    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: StrictInt = Field(default=0, ge=0)  # 0: off
+    seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    stream: StrictBool = False
     stream_options: dict | None = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _a_number(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("must be a number")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"a stop sequence holds at most {MAX_STOP_CHARS} characters")
+        return value
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -77,21 +119,33 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    prompt: StrictStr | list[StrictStr]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str
+    role: Literal[ROLES]
+    content: StrictStr | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, or its text parts joined (OpenAI's content parts)."""
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
 
 
 # --- metrics -------------------------------------------------------------------------
@@ -143,6 +197,7 @@ class Job:
     events: asyncio.Queue
     deadline: float
     cancelled: threading.Event = field(default_factory=threading.Event)
+    checked_at: float = field(default_factory=time.monotonic)  # when the client was last seen connected
 
 
 class Worker(threading.Thread):
@@ -218,8 +273,7 @@ class Worker(threading.Thread):
         except BlockspecError as error:
             self._send(job, ("error", ApiError(400, str(error))))
         except Exception as error:  # never let one request kill the worker
-            self._send(job, ("error", ApiError(500, f"internal error: {type(error).__name__}: {error}",
-                                               kind="server_error")))
+            self._send(job, ("error", internal_error(error)))
 
     # --- many jobs at once ------------------------------------------------------------
     def _run_batched(self) -> None:
@@ -253,11 +307,11 @@ class Worker(threading.Thread):
                 running = [entry for entry in running if not entry.done]
                 self.batched.step()
             except Exception as error:  # a failed step fails the jobs in it, never the server
+                failure = internal_error(error)
                 for entry in running:
                     if not entry.done:
                         entry.failed = entry.done = True
-                        self._send(entry.job, ("error", ApiError(500, f"internal error: {type(error).__name__}: "
-                                                                      f"{error}", kind="server_error")))
+                        self._send(entry.job, ("error", failure))
                 self.batched.reset()
                 running = []
 
@@ -282,8 +336,7 @@ class Worker(threading.Thread):
         except BlockspecError as error:
             self._send(job, ("error", ApiError(400, str(error))))
         except Exception as error:
-            self._send(job, ("error", ApiError(500, f"internal error: {type(error).__name__}: {error}",
-                                               kind="server_error")))
+            self._send(job, ("error", internal_error(error)))
         return None
 
     def _on_chunk(self, entry: "_Running", chunk: list[int]) -> None:
@@ -301,9 +354,8 @@ class Worker(threading.Thread):
         entry.done = True
         if entry.job.cancelled.is_set():
             return
-        if entry.row is not None and entry.row.error is not None:
-            self._send(entry.job, ("error", ApiError(500, f"internal error: {type(entry.row.error).__name__}: "
-                                                          f"{entry.row.error}", kind="server_error")))
+        if entry.row is not None and entry.row.error is not None:  # this request alone failed
+            self._send(entry.job, ("error", internal_error(entry.row.error)))
             return
         if entry.timed_out:
             self._send(entry.job, ("error", ApiError(504, "the request timed out", kind="timeout")))
@@ -329,6 +381,93 @@ class _Running:
     failed: bool = False
 
 
+# --- before the routes: host, key, body size; one log line per request -------------------
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware in front of every route: the Host header of a keyless server (DNS
+    rebinding), the API key (`Authorization: Bearer KEY`, the scheme in any case; never
+    logged), and the body size (413 from Content-Length, or as soon as a streamed body
+    passes the cap: nothing large is ever buffered). Logs one line per request."""
+
+    def __init__(self, app, config: "ServerConfig", metrics: Metrics):
+        self.app, self.config, self.metrics = app, config, metrics
+
+    def _refusal(self, headers: dict, path: str) -> tuple[int, str, str] | None:
+        config = self.config
+        if config.api_key is None and config.allowed_hosts is not None:
+            host = headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
+            if name not in config.allowed_hosts:
+                return 400, f"Host {host!r} is not served here (a keyless server answers only its own names)", \
+                    "invalid_request_error"
+        if config.api_key and path != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), config.api_key.encode()):
+                return 401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error"
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
+            return 413, f"the request body is larger than {config.max_body_bytes} bytes", "invalid_request_error"
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        state = {"status": 0, "too_large": False, "replaced": False}
+
+        async def refuse(status: int, message: str, kind: str):
+            self.metrics.errors.labels(status=str(status)).inc()
+            response = JSONResponse(error_body(message, kind), status_code=status)
+            await response(scope, receive, logged_send)
+
+        async def logged_send(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            await send(message)
+
+        async def capped_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                state["received"] = state.get("received", 0) + len(message.get("body", b""))
+                if state["received"] > self.config.max_body_bytes:
+                    state["too_large"] = True
+                    return {"type": "http.disconnect"}  # the app stops reading; we answer 413 instead
+            return message
+
+        async def guarded_send(message):
+            if state["too_large"]:  # whatever the app answers to a cut body, the client gets the 413
+                if not state["replaced"]:
+                    state["replaced"] = True
+                    await refuse(413, f"the request body is larger than {self.config.max_body_bytes} bytes",
+                                 "invalid_request_error")
+                return
+            await logged_send(message)
+
+        try:
+            refusal = self._refusal(headers, scope.get("path", ""))
+            if refusal is not None:
+                await refuse(*refusal)
+                return
+            try:
+                await self.app(scope, capped_receive, guarded_send)
+            except Exception:
+                if not state["too_large"]:
+                    raise
+            if state["too_large"] and not state["replaced"]:
+                state["replaced"] = True
+                await refuse(413, f"the request body is larger than {self.config.max_body_bytes} bytes",
+                             "invalid_request_error")
+        finally:
+            client = scope.get("client") or ("-", 0)
+            log.info("%s %s %s %d %.0fms", client[0], scope.get("method", "-"), scope.get("path", "-"),
+                     state["status"], (time.monotonic() - started) * 1000)
+
+
 # --- the app -------------------------------------------------------------------------
 
 @dataclass
@@ -338,6 +477,17 @@ class ServerConfig:
     max_queue: int = 32
     request_timeout_s: float = 300.0
     max_batch: int = 8  # sequences decoded together (1: one at a time)
+    max_body_bytes: int = 2 * 2**20  # a request body beyond this is refused (413) before it is parsed
+    # Host headers accepted without an API key (DNS rebinding): a keyless server answers only
+    # requests addressed to these names; None = any (a server with a key checks the key instead)
+    allowed_hosts: tuple[str, ...] | None = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+    def __post_init__(self):
+        if not (isinstance(self.request_timeout_s, (int, float)) and math.isfinite(self.request_timeout_s)
+                and self.request_timeout_s > 0):
+            raise BlockspecError(f"request timeout must be a positive number of seconds, got {self.request_timeout_s}")
+        if self.max_queue < 1 or self.max_batch < 1 or self.max_body_bytes < 1024:
+            raise BlockspecError("max_queue and max_batch must be >= 1, max_body_bytes >= 1024")
 
 
 def create_app(decoder, config: ServerConfig) -> FastAPI:
@@ -353,6 +503,9 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="blockspec", version="0.1.0", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
+    app.add_middleware(Guard, config=config, metrics=metrics)
+    # one thread tokenizes (tokenizers are not safe to share across threads mid-call), off the event loop
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockspec-tokenize")
 
     def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         metrics.errors.labels(status=str(status)).inc()
@@ -360,7 +513,10 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError):
-        return fail(error.status, error.message, error.kind, error.param)
+        response = fail(error.status, error.message, error.kind, error.param)
+        if error.status == 429:
+            response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
@@ -373,14 +529,6 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException):
         return fail(error.status_code, str(error.detail), "invalid_request_error")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if not secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
-                return fail(401, "invalid or missing API key (Authorization: Bearer ...)", "authentication_error")
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -415,12 +563,22 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
                 "top_k": request.top_k, "stop": request.stops()}
 
     async def generate(request: _Common, prompt, raw: bool, logprobs: int | None, http: Request, chat: bool):
+        field_name = "messages" if chat else "prompt"
         if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
-            raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
+            raise ApiError(400, "the prompt is empty", field_name)
+        if request.n > worker.jobs.maxsize:
+            raise ApiError(400, f"n={request.n} is more than this server queues ({worker.jobs.maxsize})", "n")
+        # a prompt far past the context is refused before tokenizing (no token is shorter than a character
+        # on average, so CHARS_PER_TOKEN x the context is a generous bound)
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        if chars > CHARS_PER_TOKEN * target.max_context:
+            raise ApiError(400, f"the prompt has {chars} characters, far more than the model's context of "
+                                f"{target.max_context} tokens holds", field_name)
         try:
-            prompt_ids = target.encode_prompt(prompt, raw=raw)
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                tokenizing, lambda: target.encode_prompt(prompt, raw=raw))
         except Exception as error:  # a chat template can reject a conversation (roles, system turns, ...)
-            raise ApiError(400, f"cannot build the prompt: {error}", "messages" if chat else "prompt") from None
+            raise ApiError(400, f"cannot build the prompt: {error}", field_name) from None
         options = check(request, len(prompt_ids))
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + config.request_timeout_s
@@ -441,15 +599,20 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
         return jobs, len(prompt_ids)
 
     async def next_event(job: Job, http: Request):
-        """The job's next event; cancels it if the client goes away, and never waits past
-        the deadline (plus a grace for the worker to answer) even if the worker died."""
+        """The job's next event; cancels it if the client goes away (checked at least every
+        DISCONNECT_CHECK_S, also while events flow: a non-streaming client that left must not
+        keep its decode running), and never waits past the deadline (plus a grace for the
+        worker to answer) even if the worker died."""
         while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now - job.checked_at >= DISCONNECT_CHECK_S:
+                job.checked_at = now
                 if await http.is_disconnected():
                     job.cancelled.set()
-                    raise ApiError(499, "client disconnected") from None
+                    raise ApiError(499, "client disconnected")
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_CHECK_S)
+            except asyncio.TimeoutError:
                 if time.monotonic() > job.deadline + 30 or not worker.is_alive():
                     job.cancelled.set()
                     raise ApiError(504, "the request timed out", kind="timeout") from None
@@ -575,7 +738,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: ChatRequest, http: Request):
         if not target.has_chat_template:
             raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         top = (request.top_logprobs or 0) if request.logprobs else None
         jobs, prompt_tokens = await generate(request, messages, False, top, http, chat=True)
         if request.stream:
