@@ -195,3 +195,31 @@ def test_offline_batch_equals_one_by_one(target, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1] and all(r["token_ids"] for r in rows)
     assert "prompts" in proc.stderr
+
+
+def test_text_responses_train_by_self_distillation(target, tmp_path):
+    """--from-text: responses are the sources' own text (no target pass at data time); training
+    learns the target's distribution over them (--distill-topk), features from the same target."""
+    from blockspec.training.config import TrainConfig
+    from blockspec.training.data import DataConfig, build_dataset
+    from blockspec.training.trainer import DFlashTrainer
+
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}."}) + "\n"
+                              for i in range(6)))
+    folder = build_dataset(target, DataConfig(output=str(tmp_path / "data"), prompts=[f"{source}[0:5]"],
+                                              from_text=True, shard_size=2))
+    records = [json.loads(line) for shard in sorted(folder.glob("shard-*.jsonl")) for line in shard.read_text().splitlines()]
+    assert len(records) == 5 and all(r["response_ids"][-1] in target.eos_token_ids for r in records)
+    assert target.decode(records[0]["response_ids"]).endswith(".")
+    assert target.decode(records[0]["prompt_ids"]).count("What is") == 1  # the chat template wraps the question
+    config = TrainConfig(data=str(folder), output=str(tmp_path / "run"), num_layers=1, block_size=8, num_anchors=4,
+                         batch_size=2, epochs=1, max_steps=2, holdout=1, eval_every=0, distill_topk=4,
+                         draft_vocab_size=256)
+    trainer = DFlashTrainer(config, target)
+    trainer.run()
+    assert trainer.step == 2 and len(trainer._top) >= 2  # the target's distribution was read over the text
+    questions_only = tmp_path / "questions.jsonl"
+    questions_only.write_text(json.dumps({"question": "No answer here?"}) + "\n")
+    with pytest.raises(blockspec.InvalidArgumentError, match="response field"):
+        build_dataset(target, DataConfig(output=str(tmp_path / "bad"), prompts=[str(questions_only)], from_text=True))

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--prompt-prefix", default="", help="text put before every text prompt of --prompts")
     data.add_argument("--prompt-suffix", default="", help="text put after every text prompt of --prompts, e.g. a "
                       "benchmark's instruction (use $'...' in bash for newlines)")
+    data.add_argument("--from-text", action="store_true",
+                      help="take responses from the sources' own text (answer/response/completion/output) instead of "
+                           "regenerating them; train on it with --distill-topk K (self logit distillation)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--threads", type=_positive_int, default=None)
     data.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N, mps")
@@ -350,7 +353,7 @@ def _data(args) -> int:
                         synthesize=args.synthesize, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
                         seed=args.seed, feature_layers=args.feature_layers,
-                        prompt_prefix=args.prompt_prefix, prompt_suffix=args.prompt_suffix)
+                        prompt_prefix=args.prompt_prefix, prompt_suffix=args.prompt_suffix, from_text=args.from_text)
     build_dataset(load_target(args.target, threads=args.threads, device=args.device or "cpu"), config)
     return 0
 

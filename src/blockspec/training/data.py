@@ -33,6 +33,7 @@ from blockspec.decoding.batched import generate_batch
 from blockspec.errors import InvalidArgumentError
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
+RESPONSE_FIELDS = ("answer", "response", "completion", "output", "solution")
 BUILTIN_PROMPTS = Path(__file__).parent / "prompts"
 _SLICE = re.compile(r"^(?P<source>.+?)\[(?P<start>\d*):(?P<stop>\d*)\]$")
 
@@ -54,6 +55,11 @@ class DataConfig:
     # math suffix "Please reason step by step ... \\boxed{}" on GSM8K *train* questions
     prompt_prefix: str = ""
     prompt_suffix: str = ""
+    # Take each response from the source's own text (field `answer`, `response`, `completion` or
+    # `output`) instead of regenerating it: no target pass at all here. Training then learns the
+    # target's distribution over that text with --distill-topk K (self logit distillation, as
+    # NVIDIA ModelOpt trains DFlash drafters), the target's features computed in the same pass.
+    from_text: bool = False
 
 
 def read_sources(sources: list[str], split: str = "train", limit: int | None = None) -> list:
@@ -141,8 +147,67 @@ def synthesize_prompts(target, count: int, seed: int, batch_size: int = 16, max_
     return prompts[:count]
 
 
+def read_pairs(sources: list[str], limit: int | None = None) -> list[tuple[str, str]]:
+    """(prompt, response) pairs of JSONL sources that hold both (`SOURCE[start:stop]` slices too)."""
+    pairs = []
+    for spec in sources:
+        match = _SLICE.match(spec)
+        source, start, stop = (match["source"], int(match["start"] or 0), int(match["stop"]) if match["stop"] else None) \
+            if match else (spec, 0, None)
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise InvalidArgumentError(f"--from-text reads JSONL files with a prompt and a response field: {source!r} "
+                                       "is not a file")
+        chosen = []
+        for index, row in enumerate(_read_jsonl(path)[start:stop], start):
+            prompt = next((row[f] for f in PROMPT_FIELDS if isinstance(row.get(f), str)), None)
+            response = next((row[f] for f in RESPONSE_FIELDS if isinstance(row.get(f), str)), None)
+            if prompt is None or response is None:
+                raise InvalidArgumentError(f"{path}: record {index} needs a prompt field ({', '.join(PROMPT_FIELDS)}) "
+                                           f"and a response field ({', '.join(RESPONSE_FIELDS)})")
+            chosen.append((prompt, response))
+        if not chosen:
+            raise InvalidArgumentError(f"{spec}: no records in this source (or slice)")
+        pairs += chosen[:limit] if limit else chosen
+    return pairs
+
+
+def build_text_dataset(target, config: DataConfig) -> Path:
+    """Records whose responses are the sources' own text (no target pass): tokenized, sharded,
+    each shard written atomically; a rerun rewrites nothing that exists."""
+    if config.feature_layers is not None:
+        raise InvalidArgumentError("--from-text stores no features (training computes them with the target's "
+                                   "distribution, in one pass): drop --feature-layers")
+    if config.synthesize:
+        raise InvalidArgumentError("--from-text takes existing text; --synthesize needs regeneration")
+    output = Path(config.output)
+    output.mkdir(parents=True, exist_ok=True)
+    check_data_target(output, target)
+    pairs = read_pairs(config.prompts or [], config.limit)
+    random.Random(config.seed).shuffle(pairs)
+    write_text(output / "meta.json", json.dumps({"config": asdict(config), "target": target.fingerprint()}, indent=2))
+    eos = list(target.eos_token_ids[:1])
+    tokens = 0
+    for shard, start in enumerate(range(0, len(pairs), config.shard_size)):
+        path = output / f"shard-{shard:05d}.jsonl"
+        if path.exists():
+            continue
+        records = []
+        for prompt, response in pairs[start:start + config.shard_size]:
+            response_ids = target.tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+            records.append({"prompt_ids": target.encode_prompt(config.prompt_prefix + prompt + config.prompt_suffix),
+                            "response_ids": response_ids[: config.max_new_tokens]})
+            tokens += len(records[-1]["response_ids"])
+        write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    print(f"dataset: {len(pairs)} prompts with their own responses at {output} ({tokens} response tokens "
+          "tokenized this run; train with --distill-topk K to learn the target's distribution over them)")
+    return output
+
+
 def build_dataset(target, config: DataConfig) -> Path:
     """Regenerate responses with the target; resumable; returns the output folder."""
+    if config.from_text:
+        return build_text_dataset(target, config)
     if config.temperature < 0:
         raise InvalidArgumentError(f"temperature must be >= 0, got {config.temperature}")
     if config.feature_layers is not None:
