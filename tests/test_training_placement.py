@@ -88,9 +88,11 @@ def test_the_cli_names_a_missing_device(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_a_time_budget_stops_the_run_and_spans_the_schedule(tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_a_time_budget_stops_the_run_and_spans_the_schedule(tmp_path, clock):
     target = tiny_target("llama")
-    config = small_config(tmp_path, epochs=10_000, time_budget_s=1.0, warmup_ratio=0.1, save_every=5)
+    config = small_config(tmp_path, epochs=10_000, time_budget_s=1.0, warmup_ratio=0.1, save_every=5,
+                          time_budget_clock=clock)
     trainer = DFlashTrainer(config, target, [one_record(target)])
     trainer.run()
     assert 1.0 <= trainer.train_seconds < 5.0 and 3 < trainer.step < 10_000
@@ -102,6 +104,8 @@ def test_a_time_budget_stops_the_run_and_spans_the_schedule(tmp_path):
     assert resumed.step == trainer.step
     with pytest.raises(InvalidArgumentError, match="time_budget_s"):
         DFlashTrainer(small_config(tmp_path, time_budget_s=-1.0), target, [one_record(target)])
+    with pytest.raises(InvalidArgumentError, match="time_budget_clock"):
+        DFlashTrainer(small_config(tmp_path, time_budget_s=1.0, time_budget_clock="gpu"), target, [one_record(target)])
 
 
 def test_data_or_a_run_folder_of_another_target_is_refused(tmp_path):

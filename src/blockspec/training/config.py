@@ -57,6 +57,9 @@ class TrainConfig:
     # let the lr schedule (warmup, cosine) span this time instead of the epochs: A/B runs at
     # equal compute, and a campaign that fits the time a session has. `epochs` stays a bound.
     time_budget_s: float | None = None
+    # "wall": seconds on the clock; "cpu": CPU seconds of this process (all its threads), which a
+    # busy shared machine does not inflate: A/B arms that ran beside different loads stay comparable
+    time_budget_clock: str = "wall"
     grad_clip: float = 1.0
     seed: int = 0
     # bookkeeping

@@ -234,6 +234,10 @@ class DFlashTrainer:
         warmup = max(1, int(config.warmup_ratio * self.total_steps))
         if config.time_budget_s is not None and not config.time_budget_s > 0:
             raise InvalidArgumentError(f"time_budget_s must be > 0, got {config.time_budget_s}")
+        clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+        if config.time_budget_clock not in clocks:
+            raise InvalidArgumentError(f"time_budget_clock must be wall or cpu, got {config.time_budget_clock!r}")
+        self.clock = clocks[config.time_budget_clock]
         self.train_seconds = 0.0  # time spent in training steps so far (kept across resumes)
 
         def schedule(step: int) -> float:
@@ -515,7 +519,7 @@ class DFlashTrainer:
         return bool(self.config.time_budget_s) and self.train_seconds >= self.config.time_budget_s
 
     def train_step(self) -> dict:
-        started = time.perf_counter()
+        started = self.clock()
         indices = self.batch_indices(self.step)
         if self.world_size > 1:  # each rank takes its share of the global batch
             indices = indices[self.rank::self.world_size]
@@ -540,7 +544,7 @@ class DFlashTrainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
-        elapsed = torch.tensor([time.perf_counter() - started])
+        elapsed = torch.tensor([self.clock() - started])
         if self.world_size > 1:  # every rank stops at the same step: the slowest rank's clock
             import torch.distributed as dist
 
