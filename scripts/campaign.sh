@@ -25,8 +25,10 @@ LAYERS=1,8,15,22,27
 SUFFIX=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
 mkdir -p "$C/eval"
 
-# (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages)
+# (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages).
+# SKIP_DATA=1 trains on the shards finished so far (a data job still running adds the rest later).
 START=$((1448 + 800 * (ROUND - 1)))
+if [ -z "${SKIP_DATA:-}" ]; then
 $BS data --target default --output "$C/regen-math-$ROUND" --prompts "$DATA/gsm8k/train.jsonl[$START:$((START + 800))]" \
     --prompt-suffix "$SUFFIX" --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
     --seed "$ROUND" --threads "$THREADS"
@@ -37,7 +39,9 @@ else
 fi
 $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size 32 \
     --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
-FOLDERS=$(ls -d "$C"/regen-*-* | sort | paste -sd, -)
+fi
+FOLDERS=$(for f in "$C"/regen-*-*/; do if ls "$f"shard-*.jsonl >/dev/null 2>&1; then echo "${f%/}"; fi; done \
+    | sort | paste -sd, -)
 
 # (2) train on everything so far, from the drafter shipped now
 RUN="$C/train-$ROUND"
@@ -47,7 +51,7 @@ if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
   $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$SHIPPED" \
       --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size 8192 \
       --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
-      --time-budget-s "$BUDGET_S" --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS"
+      --loss-weighting ${WEIGHTING:-decay} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS"
 fi
 
 # (3) held-out tau of the candidate and of what is shipped now (same prompts, same settings)

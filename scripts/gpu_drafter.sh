@@ -67,7 +67,8 @@ left() { echo $(( deadline - $(date +%s) )); }
 [ "$(left)" -gt 5 ] && timeout "$(left)" "${BS[@]}" data "${COMMON[@]}" --output "$WORK/data-synth" \
     --synthesize "$SYNTH" --seed 13 2>&1 | tr '\r' '\n' | grep -v -e "^regenerating" -e "^synthesizing" \
     | tee -a "$OUT/gpu.log"
-FOLDERS=$(for f in "$WORK"/data-*; do ls "$f"/shard-*.jsonl >/dev/null 2>&1 && echo "$f"; done | paste -sd, -)
+FOLDERS=$(for f in "$WORK"/data-*/; do if ls "$f"shard-*.jsonl >/dev/null 2>&1; then echo "${f%/}"; fi; done \
+    | paste -sd, -)
 [ -n "$FOLDERS" ] || { log "no finished data shard before the deadline"; exit 1; }
 TOKENS=$(cat "$WORK"/data-*/shard-*.jsonl | "$PYTHON" -c "import sys, json; print(sum(len(json.loads(l)['response_ids']) for l in sys.stdin if l.strip()))")
 log "data: $TOKENS response tokens in $FOLDERS after $(( $(date +%s) - started )) s"
