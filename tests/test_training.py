@@ -287,3 +287,13 @@ def test_expected_length_weights_follow_the_drafters_own_accuracy(tmp_path):
     assert float(trainer.position_weights()[1]) == 1.0
     with pytest.raises(InvalidArgumentError, match="loss_weighting"):
         DFlashTrainer(small_config(tmp_path, loss_weighting="dpace"), target, [one_record(target)])
+
+
+def test_the_draft_vocabulary_takes_the_frequent_tokens_then_the_lowest_unseen_ids():
+    from blockspec.training.trainer import draft_vocabulary
+
+    records = [{"prompt_ids": [1], "response_ids": [90, 90, 90, 40, 40, 7]}]
+    assert draft_vocabulary(records, 3, 96).tolist() == [7, 40, 90]
+    assert draft_vocabulary(records, 2, 96).tolist() == [40, 90]
+    # fewer distinct tokens than slots: the rest are the lowest unseen ids, not arbitrary ones
+    assert draft_vocabulary(records, 6, 96).tolist() == [0, 1, 2, 7, 40, 90]
