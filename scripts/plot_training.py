@@ -41,7 +41,7 @@ if curve:
     right.plot(hours, [point[3] for point in curve], "s-", label="chat")
     for label, hour, tau, _ in curve:
         right.annotate(label, (hour, tau), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    right.set_xlabel("CPU-hours (data + training, 2-core machine)")
+    right.set_xlabel("thread-hours (data + training; 2-core machine)")
     right.set_ylabel("held-out tau")
     right.set_title("shipped drafter against CPU time")
     right.legend(fontsize=8)

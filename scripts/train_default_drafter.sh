@@ -36,5 +36,13 @@ if [ ! -f runs/dflash2-smollm2/final/model.safetensors ]; then
       --eval-every 200 --eval-prompts 6 --eval-max-new-tokens 64 --save-every 50 --seed 0
 fi
 
-.venv/bin/python scripts/ship_drafter.py runs/dflash2-smollm2/final \
-    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/dflash2-smollm2/metrics.png
+if [ ! -f runs/campaign/ledger.jsonl ]; then
+  .venv/bin/python scripts/ship_drafter.py runs/dflash2-smollm2/final \
+      src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/dflash2-smollm2/metrics.png
+fi
+
+# Stage 3 (session 5): the campaign's round 1 (docs/training.md), warm-started from stage 2 as
+# shipped; it regenerates its own data, trains for a CPU-time budget, evaluates held-out and
+# ships only a better drafter. (In session 5 it ran with BUDGET_S=2100 on the first 4 mixed
+# shards and was resumed at step ~700 with BUDGET_S=1500 and all shards.)
+ROUND=1 THREADS=1 BUDGET_S=1500 scripts/campaign.sh
