@@ -10,10 +10,12 @@ the engine commits it. A client that disconnects, or a request past its deadline
 cancelled between two engine steps and frees its slot at once.
 
 Errors are OpenAI-shaped JSON (`{"error": {"message", "type", "param", "code"}}`):
-400 for a bad request (malformed JSON, a known field with a wrong type or value,
-an unknown model, a prompt that is empty or does not fit), 401 for a missing or
-wrong API key, 429 when the queue is full, 504 when a request runs out of time.
-Fields the server does not use are ignored, as OpenAI clients send many.
+400 for a bad request (malformed JSON, a known field with a wrong type or a value outside
+OpenAI's range, an unknown model, a prompt that is empty or does not fit, a foreign Host
+header on a keyless loopback server), 401 for a missing or wrong API key, 413 for a body
+past the cap, 429 (with Retry-After) when the queue is full, 504 when a request runs out
+of time, 500 only for a bug, which fails that request alone and is logged with its
+traceback. Fields the server does not use are ignored, as OpenAI clients send many.
 """
 
 from __future__ import annotations
