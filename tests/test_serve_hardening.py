@@ -178,3 +178,11 @@ def test_a_mixed_load_has_no_500_and_every_good_answer_is_its_solo_answer(live):
     assert httpx.get(live.url + "/health").status_code == 200
     metrics = httpx.get(live.url + "/metrics").text
     assert 'blockspec_request_errors_total{status="500"}' not in metrics
+
+
+@pytest.mark.parametrize("timeout", ["nan", "-5", "0", "inf"])
+def test_a_request_timeout_that_is_not_a_positive_number_is_refused_before_loading(timeout, capsys):
+    from blockspec.cli import main
+
+    assert main(["serve", "--request-timeout", timeout]) == 2
+    assert "--request-timeout must be a positive number" in capsys.readouterr().err
