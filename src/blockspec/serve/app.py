@@ -496,18 +496,19 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
     target = decoder.target
     metrics = Metrics()
     worker = Worker(decoder, config.max_queue, metrics, config.max_batch)
+    # one thread tokenizes (tokenizers are not safe to share across threads mid-call), off the event loop
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockspec-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()
         yield
         worker.stop()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="blockspec", version="0.1.0", lifespan=lifespan)
     app.state.worker, app.state.metrics = worker, metrics
     app.add_middleware(Guard, config=config, metrics=metrics)
-    # one thread tokenizes (tokenizers are not safe to share across threads mid-call), off the event loop
-    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockspec-tokenize")
 
     def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         metrics.errors.labels(status=str(status)).inc()
