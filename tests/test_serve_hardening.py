@@ -186,3 +186,13 @@ def test_a_request_timeout_that_is_not_a_positive_number_is_refused_before_loadi
 
     assert main(["serve", "--request-timeout", timeout]) == 2
     assert "--request-timeout must be a positive number" in capsys.readouterr().err
+
+
+def test_host_names_with_and_without_ports_are_read_right():
+    from blockspec.serve.app import Guard, Metrics, ServerConfig
+
+    guard = Guard(None, ServerConfig(model_name="m"), Metrics())
+    for host in ("127.0.0.1:8000", "localhost", "[::1]:8000", "[::1]", "::1"):
+        assert guard._refusal({"host": host}, "/v1/models") is None, host
+    for host in ("evil.example", "evil.example:80", "[2001:db8::1]:80", "127.0.0.2:8000"):
+        assert guard._refusal({"host": host}, "/v1/models")[0] == 400, host

@@ -297,3 +297,18 @@ def test_the_draft_vocabulary_takes_the_frequent_tokens_then_the_lowest_unseen_i
     assert draft_vocabulary(records, 2, 96).tolist() == [40, 90]
     # fewer distinct tokens than slots: the rest are the lowest unseen ids, not arbitrary ones
     assert draft_vocabulary(records, 6, 96).tolist() == [0, 1, 2, 7, 40, 90]
+
+
+def test_distilling_runs_one_target_pass_per_new_batch_for_features_and_distributions(tmp_path):
+    target = tiny_target("llama")
+    records = [one_record(target, 20), {"prompt_ids": [3, 4], "response_ids": list(range(10, 30))}]
+    trainer = DFlashTrainer(small_config(tmp_path, distill_topk=4, batch_size=2, epochs=2), target, records)
+    calls = []
+    forward = target.model.forward
+    target.model.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    try:
+        trainer.run()
+    finally:
+        target.model.forward = forward
+    assert trainer.step == 2 and len(trainer._top) == 2 and len(trainer._features) == 2
+    assert len(calls) == 1  # one pass filled both caches; the second epoch reused them

@@ -263,8 +263,7 @@ class BatchedSpecEngine:
                     finished.append(i)
             except Exception as error:  # this row alone fails (its sampling, its callbacks); the batch goes on
                 row.error = error
-                if i not in finished:
-                    finished.append(i)
+                finished.append(i)  # (appending i is the try block's last statement: never twice)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         if self.planner is not None:  # drafting's cost includes the catch-up of the drafting rows
             self.planner.record(batch * width_q, time.perf_counter() - started - drafting_seconds,

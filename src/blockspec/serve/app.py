@@ -402,7 +402,10 @@ class Guard:
         config = self.config
         if config.api_key is None and config.allowed_hosts is not None:
             host = headers.get("host", "")
-            name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
+            if host.startswith("["):  # [v6]:port or [v6]
+                name = host[: host.find("]") + 1]
+            else:  # name:port, name, or a bare v6 address
+                name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
             if name not in config.allowed_hosts:
                 return 400, f"Host {host!r} is not served here (a keyless server answers only its own names)", \
                     "invalid_request_error"

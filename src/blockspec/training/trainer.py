@@ -410,26 +410,33 @@ class DFlashTrainer:
         missing = [i for i in missing if i not in self._features]
         if missing:
             sequences, ids, attention = self._padded(missing)
-            out = self.target.model(input_ids=ids, attention_mask=attention, output_hidden_states=True, logits_to_keep=1)
+            # distilling: the same pass gives the target's distributions (one target pass per record, not two)
+            distill = [i for i in missing if self.config.distill_topk and i not in self._top]
+            out = self.target.model(input_ids=ids, attention_mask=attention, output_hidden_states=True,
+                                    logits_to_keep=0 if distill else 1)
             stacked = target_features(out.hidden_states, layer_ids)
             for row, index in enumerate(missing):
                 # 16-bit in host memory: the features of a whole dataset must fit in RAM for reuse each epoch
                 self._features[index] = compact_features(stacked[row, : sequences[row].numel()].to("cpu"))
+            if distill:
+                self._keep_top(missing, sequences, out.logits)
         return [self._features[i] for i in indices]
+
+    def _keep_top(self, indices: list[int], sequences: list[torch.Tensor], logits: torch.Tensor) -> None:
+        """Cache the target's top-k next-token ids and probabilities of each record (rows of `logits`)."""
+        top = torch.softmax(logits.float(), dim=-1).topk(self.config.distill_topk, dim=-1)
+        for row, index in enumerate(indices):
+            n = sequences[row].numel()
+            self._top[index] = (top.indices[row, :n].to("cpu", torch.int32), top.values[row, :n].to("cpu", torch.float16))
 
     @torch.inference_mode()
     def _target_top(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per record: the target's top-k next-token ids [n, k] and probabilities [n, k]
         (row p: the distribution of the token at p + 1), computed once."""
         missing = [i for i in indices if i not in self._top]
-        if missing:
+        if missing:  # records whose features were stored: their distributions still need a pass
             sequences, ids, attention = self._padded(missing)
-            logits = self.target.model(input_ids=ids, attention_mask=attention).logits.float()
-            top = torch.softmax(logits, dim=-1).topk(self.config.distill_topk, dim=-1)
-            for row, index in enumerate(missing):
-                n = sequences[row].numel()
-                self._top[index] = (top.indices[row, :n].to("cpu", torch.int32),
-                                    top.values[row, :n].to("cpu", torch.float16))
+            self._keep_top(missing, sequences, self.target.model(input_ids=ids, attention_mask=attention).logits)
         return [self._top[i] for i in indices]
 
     def soft_labels(self, indices: list[int], positions: torch.Tensor, labels: torch.Tensor):
