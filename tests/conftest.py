@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
-from blockspec.drafters.base import Drafter
+from blockspec.decoding.draft import Drafter
 from blockspec.targets.adapter import TargetAdapter
 
 transformers.utils.logging.set_verbosity_error()
@@ -86,10 +86,10 @@ class OracleDrafter(Drafter):
     def fork(self):
         return self  # stateless per sequence
 
-    def propose(self, token_ids, num_drafts, params, generator=None):
-        from blockspec.drafters.base import Draft
+    def propose_one(self, request):
+        from blockspec.decoding.draft import Draft
 
-        start = token_ids.numel()
+        start, num_drafts = request.token_ids.numel(), request.num_drafts
         tokens = torch.tensor(self.reference[start:start + num_drafts], dtype=torch.long)
         if tokens.numel() and float(torch.rand(1, generator=self.rng)) < self.corrupt_prob:
             position = int(torch.randint(tokens.numel(), (1,), generator=self.rng))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blockspec.decoding.batched_spec import BatchedSpecEngine
+from blockspec.decoding.draft import DraftRequest
+from blockspec.decoding.engine import BatchedSpecEngine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import InvalidArgumentError
 from conftest import assert_same_or_near_tie, hf_greedy, tiny_target
@@ -45,7 +46,7 @@ def test_every_row_equals_greedy_decoding_alone(arch, kind):
         max_new = 30 - 4 * i
         assert_same_or_near_tie(target.model, prompt, out["tokens"], reference[:max_new])
         assert out["stats"] is not None and out["stats"].new_tokens == len(out["tokens"])
-    assert engine.cache is None and not engine.busy
+    assert engine.kv.cache is None and not engine.busy
 
 
 def test_compaction_keeps_outputs_and_shrinks_the_cache():
@@ -56,9 +57,9 @@ def test_compaction_keeps_outputs_and_shrinks_the_cache():
     widths = []
     while engine.busy:
         engine.step()
-        if engine.cache is not None:
-            widths.append(engine.valid.shape[1])
-            assert engine.cache.get_seq_length() == engine.valid.shape[1]
+        if engine.kv.cache is not None:
+            widths.append(engine.kv.valid.shape[1])
+            assert engine.kv.cache.get_seq_length() == engine.kv.valid.shape[1]
     assert any(b < a for a, b in zip(widths, widths[1:]))  # compacted at least once
     for prompt, out in zip(PROMPTS, outputs):
         assert_same_or_near_tie(target.model, prompt, out["tokens"], hf_greedy(target.model, prompt, 60, EOS))
@@ -227,16 +228,16 @@ def test_plain_steps_defer_the_drafter_and_outputs_stay_greedy(kind):
     references = [hf_greedy(target.model, p, 30, EOS) for p in PROMPTS]
     drafter = make_drafter(kind, target, PROMPTS[1], references[1])
     calls = {"accept": 0, "propose": 0}
-    originals = type(drafter).accept, type(drafter).propose_many
+    originals = type(drafter).accept, type(drafter).propose
 
     class Spy(type(drafter)):
         def accept(self, *args):
             calls["accept"] += 1
             return originals[0](self, *args)
 
-        def propose_many(self, forks, requests):
-            calls["propose"] += len(forks)
-            return originals[1](self, forks, requests)
+        def propose(self, requests):
+            calls["propose"] += len(requests)
+            return originals[1](self, requests)
 
     drafter.__class__ = Spy
     engine = BatchedSpecEngine(target, drafter, block_size=5, max_batch=4,
@@ -268,10 +269,12 @@ def test_dflash_drafts_every_row_in_one_pass_as_it_would_alone(sampled):
         fork.begin(torch.tensor(prompt), torch.randn(len(prompt), width))
         forks.append(fork)
         params = SamplingParams(temperature=1.0, top_k=5, seed=7) if sampled else SamplingParams()
-        requests.append((torch.tensor(prompt), num_drafts, params, params.generator() if sampled else None))
-    together = drafter.propose_many(forks, requests)
-    for i, (fork, (ids, num_drafts, params, _)) in enumerate(zip(forks, requests)):
-        alone = fork.propose(ids, num_drafts, params, params.generator() if sampled else None)
+        requests.append(DraftRequest(fork, torch.tensor(prompt), num_drafts, params,
+                                     params.generator() if sampled else None))
+    together = drafter.propose(requests)
+    for i, request in enumerate(requests):
+        request.generator = request.params.generator() if sampled else None
+        (alone,) = drafter.propose([request])
         assert together[i].tokens.tolist() == alone.tokens.tolist()
         if sampled:  # the distributions the rejection sampler reads agree too
             torch.testing.assert_close(together[i].probs, alone.probs, atol=1e-5, rtol=1e-4)
@@ -294,21 +297,21 @@ def test_drafters_draft_every_row_together_as_they_would_alone(kind, sampled):
         for prompt, prompt_features, more in zip(PROMPTS, features, committed):
             fork = drafter.fork()
             fork.begin(torch.tensor(prompt), prompt_features)
-            fork.propose(torch.tensor(prompt + [5]), 2, SamplingParams())  # 5: the prefill's token
+            fork.propose([DraftRequest(fork, torch.tensor(prompt + [5]), 2, SamplingParams())])  # 5: the prefill's token
             fork.accept(torch.tensor([5, 6, 7]), more)
             forks.append(fork)
         return forks
 
-    def requests():
+    def requests(forks):
         out = []
-        for prompt, num_drafts in zip(PROMPTS, [5, 1, 3, 4]):  # ragged chains
+        for fork, prompt, num_drafts in zip(forks, PROMPTS, [5, 1, 3, 4]):  # ragged chains
             params = SamplingParams(temperature=1.0, top_k=5, seed=7) if sampled else SamplingParams()
-            out.append((torch.tensor(prompt + [5, 6, 7, 8]), num_drafts, params,
-                        params.generator() if sampled else None))
+            out.append(DraftRequest(fork, torch.tensor(prompt + [5, 6, 7, 8]), num_drafts, params,
+                                    params.generator() if sampled else None))
         return out
 
-    together = drafter.propose_many(started(), requests())
-    alone = [fork.propose(*request) for fork, request in zip(started(), requests())]
+    together = drafter.propose(requests(started()))
+    alone = [drafter.propose([request])[0] for request in requests(started())]
     for mine, theirs in zip(together, alone):
         assert mine.tokens.tolist() == theirs.tokens.tolist()
         assert (mine.probs is None) == (theirs.probs is None) == (not sampled or kind == "dflash")

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft
+from blockspec.decoding.draft import Draft, DraftRequest
 from blockspec.drafters.dflash import (
     DFlashConfig,
     DFlashDraftModel,
@@ -43,14 +43,15 @@ class OracleDFlash(DFlashDrafter):
         super().__init__(*args, **kwargs)
         self.answer, self.step = answer, 0
 
-    def propose(self, token_ids, num_drafts, params, generator=None):
-        super().propose(token_ids, num_drafts, params, generator)  # exercise the real pass
+    def propose(self, requests):
+        super().propose(requests)  # exercise the real pass
+        (request,) = requests
         self.step += 1
-        good = self.answer[token_ids.numel():token_ids.numel() + num_drafts]
-        tokens = torch.tensor(good, dtype=torch.long)
+        start = request.token_ids.numel()
+        tokens = torch.tensor(self.answer[start:start + request.num_drafts], dtype=torch.long)
         if tokens.numel() > 2 and self.step % 2:
             tokens[self.step % tokens.numel()] = 0  # reject from a varying position
-        return Draft(tokens=tokens)
+        return [Draft(tokens=tokens)]
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -61,8 +62,12 @@ def test_context_cache_holds_target_features_of_every_committed_position(window)
     prompt = [5, 17, 33, 2, 9, 40]
     answer = prompt + hf_greedy(target.model, prompt, 30, (-1,))
     drafter = OracleDFlash(make(target).model, target, answer=answer, context_window=window)
-    out = [t for c in SpecEngine(target, drafter, 8).generate(prompt, max_new_tokens=30, stop_token_ids=(-1,)) for t in c]
-    assert prompt + out == answer
+    engine = SpecEngine(target, drafter, 8)
+    row = engine.add(prompt, max_new_tokens=30, stop_token_ids=(-1,))
+    engine.run()
+    assert row.tokens == answer
+    row.catch_up_drafter()  # the last step's tokens wait until the drafter drafts next
+    drafter = row.drafter  # this sequence's fork
     committed = torch.tensor(answer[:-1])
     with torch.inference_mode():
         hidden = target.model(committed[None], output_hidden_states=True).hidden_states
@@ -119,7 +124,7 @@ def test_checkpoint_round_trip_reference_format(tmp_path):
     drafts = []
     for d in (drafter, loaded):
         d.begin(prompt, features)
-        drafts.append(d.propose(prompt, 7, SamplingParams()).tokens)
+        drafts.append(d.propose([DraftRequest(d, prompt, 7, SamplingParams())])[0].tokens)
     assert torch.equal(drafts[0], drafts[1])
     # saving again over an existing folder replaces it atomically
     loaded.model.save_pretrained(folder)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from blockspec.decoding.diffusion import DiffusionDecoder, DiffusionStats, unmask_order
+from blockspec.decoding.draft import DraftRequest
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
 from blockspec.errors import InvalidArgumentError
@@ -60,7 +61,8 @@ def test_greedy_is_deterministic_and_one_pass_drafts_what_the_drafter_proposes(t
     target.reset()
     out = target.forward(torch.tensor(PROMPT), drafter.target_layer_ids)
     drafter.begin(torch.tensor(PROMPT), out.features)
-    proposal = drafter.propose(torch.tensor(PROMPT + [first[0]]), 7, SamplingParams(), None).tokens.tolist()
+    proposal = drafter.propose([DraftRequest(drafter, torch.tensor(PROMPT + [first[0]]), 7, SamplingParams())])[0]
+    proposal = proposal.tokens.tolist()
     assert first[1:8] == proposal
 
 

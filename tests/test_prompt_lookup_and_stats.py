@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.decoding.draft import DraftRequest
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.decoding.stats import GenerationStats
@@ -12,7 +13,8 @@ from conftest import OracleDrafter, hf_greedy, tiny_target
 
 
 def propose(tokens, num):
-    return PromptLookupDrafter().propose(torch.tensor(tokens), num, SamplingParams()).tokens.tolist()
+    drafter = PromptLookupDrafter()
+    return drafter.propose([DraftRequest(drafter, torch.tensor(tokens), num, SamplingParams())])[0].tokens.tolist()
 
 
 def test_prompt_lookup_copies_after_the_most_recent_longest_match():

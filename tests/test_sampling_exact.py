@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from blockspec.decoding.acceptance import accept_rejection_sampling
+from blockspec.decoding.verify import accept_rejection_sampling
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, warp_probs
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
@@ -161,7 +161,7 @@ def test_rejection_rule_single_position_exact():
 def test_a_seeded_request_gives_the_same_text_with_any_drafting_alone_or_batched():
     """The target's random choices are keyed by output position (TokenSampler): at T > 0 a
     seeded request is plain sampling's text, whatever was drafted, batched beside others or not."""
-    from blockspec.decoding.batched_spec import BatchedSpecEngine
+    from blockspec.decoding.engine import BatchedSpecEngine
     from conftest import OracleDrafter
 
     target = tiny_target("llama", vocab_size=96)

@@ -63,7 +63,7 @@ class SpecDecoder:
         one ends. Prompt i samples with seed + i. Targets with sliding-window layers decode
         the prompts one after the other instead. Same outputs as `generate` one by one (at
         T=0 up to the float rounding a batched pass can move)."""
-        from blockspec.decoding.batched_spec import BatchedSpecEngine
+        from blockspec.decoding.engine import BatchedSpecEngine
         from blockspec.errors import BlockspecError
 
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,

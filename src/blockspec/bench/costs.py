@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from blockspec.decoding.draft import DraftRequest
 from blockspec.decoding.sampling import SamplingParams
 
 
@@ -44,7 +45,8 @@ def measure_costs(target, drafter, block_size: int, context_len: int = 256, repe
             # as in decoding: a new anchor after the committed tokens; then it is committed
             # (with plausible features) so that the next pass drafts after it
             with_anchor = torch.cat([committed, block[:1]])
-            draft.append(_timed(lambda: drafter.propose(with_anchor, block_size - 1, params, None)))
+            request = DraftRequest(drafter, with_anchor, block_size - 1, params)
+            draft.append(_timed(lambda: drafter.propose([request])))
             drafter.accept(block[:1], None if out.features is None else out.features[-1:])
             committed = with_anchor
     decode_s = statistics.median(decode)

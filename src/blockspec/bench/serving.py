@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from blockspec.decoding.batched_spec import BatchedSpecEngine
+from blockspec.decoding.engine import BatchedSpecEngine
 from blockspec.decoding.planner import DraftPlanner
 
 

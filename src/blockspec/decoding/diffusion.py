@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.decoding.engine import check_request
-from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token, sample, warp_probs
+from blockspec.decoding.engine import SpecEngine
+from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.decoding.verify import cut_after_stop
 from blockspec.errors import InvalidArgumentError
 
 
@@ -79,16 +80,17 @@ class DiffusionDecoder:
         self.block_size, self.steps, self.threshold = block_size, steps, threshold
 
     @torch.inference_mode()
-    def fill_block(self, anchor: int, start: int, length: int, params: SamplingParams, generator,
+    def fill_block(self, drafter, anchor: int, start: int, length: int, params: SamplingParams, generator,
                    stats: DiffusionStats | None = None) -> list[int]:
-        """`length` tokens after `anchor` (at position `start`), filled from all-masked."""
-        mask_id = self.drafter.mask_token_id
+        """`length` tokens after `anchor` (at position `start`), filled from all-masked by
+        `drafter` (a fork of this decoder's drafter, begun on the sequence)."""
+        mask_id = drafter.mask_token_id
         block = torch.full((length + 1,), mask_id, dtype=torch.long)
         block[0] = anchor
         masked = torch.ones(length, dtype=torch.bool)
         passes = self.steps if self.threshold is None else length
         for done in range(passes):
-            logits = self.drafter.block_logits(block, start)
+            logits = drafter.block_logits(block, start)
             if stats is not None:
                 stats.drafter_passes += 1
             if params.greedy:
@@ -99,59 +101,49 @@ class DiffusionDecoder:
                 choice = sample(probs, generator)
                 confidence = probs.gather(1, choice[:, None]).view(-1)
             positions = unmask_order(confidence, masked, passes - done, self.threshold)
-            block[1 + positions] = self.drafter.to_target_ids(choice[positions]).cpu()
+            block[1 + positions] = drafter.to_target_ids(choice[positions]).cpu()
             masked[positions] = False
             if not masked.any():
                 break
         return block[1:].tolist()
 
+    @torch.inference_mode()
     def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
                  stop_token_ids: tuple[int, ...] | None = None,
                  stats: DiffusionStats | None = None) -> Iterator[list[int]]:
-        """Yield committed chunks (one per block) until a stop id or `max_new_tokens`."""
-        target, drafter = self.target, self.drafter
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
-        max_new_tokens, stop_ids = check_request(target, prompt.numel(), max_new_tokens, stop_token_ids)
+        """Yield committed chunks (one per block) until a stop id or `max_new_tokens`. The
+        prefill, the first token (the target's own, as in speculative decoding) and the
+        commit rules are the speculative engine's; only the step differs."""
         stats = stats if stats is not None else DiffusionStats(self.block_size)
-        generator = None if params.greedy else params.generator()
-        layer_ids = drafter.target_layer_ids
-        started = time.perf_counter()
-        target.reset()
-        out = target.forward(prompt, layer_ids)
-        target.rollback(prompt.numel())
-        sampler = None if params.greedy else TokenSampler(params.seed)
-        first = next_token(out.logits[-1], params, sampler, 0)  # the target's own, as in speculative decoding
-        drafter.begin(prompt, out.features)
-        tokens = prompt.tolist() + [first]
-        stats.new_tokens = 1
-        first_done = time.perf_counter()
-        stats.ttft_s = first_done - started
+        engine = SpecEngine(self.target, self.drafter, self.block_size)
+        chunks: list[list[int]] = []
+        row = engine.add(prompt_ids, max_new_tokens=max_new_tokens, params=params, stop_token_ids=stop_token_ids,
+                         on_chunk=chunks.append)
         try:
-            yield [first]
-            if first in stop_ids:
-                return
-            while stats.new_tokens < max_new_tokens:
-                length = min(self.block_size - 1, max_new_tokens - stats.new_tokens)
-                new = self.fill_block(tokens[-1], len(tokens) - 1, length, params, generator, stats)
-                for index, token in enumerate(new):
-                    if token in stop_ids:
-                        new = new[: index + 1]
-                        break
-                stats.new_tokens += len(new)
-                ended = new[-1] in stop_ids or stats.new_tokens >= max_new_tokens
-                # One target pass over the anchor and all committed tokens but the new
-                # anchor: the drafter's context for the next block, and the agreement check.
-                ran = [tokens[-1]] + new[:-1]
-                out = target.forward(torch.tensor(ran), layer_ids)
-                target.rollback(len(tokens) + len(new) - 1)
-                greedy_choice = out.logits.argmax(dim=-1).tolist()
+            engine.admit()
+            if row.error is not None:
+                raise row.error
+            stats.ttft_s, stats.new_tokens = row.stats.ttft_s, row.stats.new_tokens
+            first_done = time.perf_counter()
+            yield from chunks
+            while not row.ended:
+                length = min(self.block_size - 1, row.tokens_left)
+                new = cut_after_stop(self.fill_block(row.drafter, row.tokens[-1], len(row.tokens) - 1, length,
+                                                     params, row.generator, stats), row.stop_ids)
+                # One target pass over the anchor and the new tokens but the last (the next
+                # anchor): the drafter's context for the next block, and the agreement check.
+                ran = [row.tokens[-1]] + new[:-1]
+                logits, features = engine.kv.verify([ran])
+                engine.kv.keep(0, len(row.tokens) + len(new) - 1)
+                greedy_choice = logits[0].argmax(dim=-1).tolist()
                 stats.checked += len(new)
                 stats.agreed += sum(int(a == b) for a, b in zip(greedy_choice, new))
                 stats.blocks += 1
-                drafter.accept(torch.tensor(ran), out.features)
-                tokens += new
-                yield new
-                if ended:
-                    return
+                row.drafter.accept(torch.tensor(ran), None if features is None else features[0])
+                chunks.clear()
+                engine.commit_chunk(row, new, logits[0])
+                stats.new_tokens = row.stats.new_tokens
+                stats.decode_s = time.perf_counter() - first_done
+                yield from chunks
         finally:
-            stats.decode_s = time.perf_counter() - first_done
+            engine.reset()

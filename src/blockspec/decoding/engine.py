@@ -1,113 +1,298 @@
-"""The speculative decoding loop: one for every drafter.
+"""The speculative decoding loop: one step for every drafter, every batch size.
 
-prefill -> [draft B-1 tokens -> verify [anchor + drafts] in ONE target pass ->
-accept the longest correct prefix -> commit it plus the target's bonus token ->
-roll the target cache back to the last accepted draft] until a stop.
+    step(rows): admit -> plan -> propose -> verify -> commit
 
-No drafter (or block size 1) is the plain autoregressive baseline through the
+- admit: prefill each waiting sequence, sample its first token, `begin` its drafter.
+- plan: how many tokens each row drafts (a fixed block, or the goodput planner's choice,
+  down to none: a plain step).
+- propose: every drafting row's draft in one drafter call (one pass where the drafter can).
+- verify: [anchor, drafts] of every row through the target in ONE pass (`TargetKV`).
+- commit: per row, the longest accepted prefix plus the target's bonus token; the target
+  cache keeps the anchor and the accepted drafts (the bonus is the next anchor).
+
+One request is a batch of one (as in vLLM v1): `generate` streams one sequence over the
+same step. No drafter (or block size 1) is the plain autoregressive baseline through the
 same code, so a speed ratio between the two measures drafting and nothing else.
+
+A row's drafter is only shown what was committed when it drafts next (the ids and
+features wait), so plain steps cost no drafter work. A row that fails (its prefill, its
+sampling, its callbacks) fails alone: its `error` is set and the others go on.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
-from blockspec.decoding.acceptance import accept_by_matching_samples, accept_greedy, accept_rejection_sampling
+from blockspec.decoding.draft import NO_DRAFT, Draft, DraftRequest, Drafter
+from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token
 from blockspec.decoding.stats import GenerationStats
-from blockspec.drafters.base import Draft, Drafter
+from blockspec.decoding.verify import cut_after_stop, record_logprobs, verify
 from blockspec.errors import InvalidArgumentError
-from blockspec.targets.adapter import TargetAdapter
+from blockspec.targets.kv import SingleSequenceKV, SlotKV, TargetKV
 
-_NO_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
+
+@dataclass
+class Row:
+    """One sequence being decoded."""
+
+    tokens: list[int]  # committed, prompt included; the last one is the anchor
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: set[int]
+    on_chunk: Callable[[list[int]], None]  # receives each committed chunk
+    on_done: Callable[[GenerationStats], None]
+    stats: GenerationStats
+    logprobs: list | None = None  # one (logprob, top alternatives) per committed token, when asked
+    top_logprobs: int = 0
+    drafter: Drafter | None = None  # this sequence's fork
+    generator: torch.Generator | None = None  # the drafter's random choices (sampled drafts)
+    sampler: TokenSampler | None = None  # the target's, keyed by output position
+    acceptance: AcceptanceEvidence = field(default_factory=AcceptanceEvidence)  # for the planner
+    # committed since the drafter last saw the sequence: shown to it when it drafts next
+    unseen_ids: list = field(default_factory=list)
+    unseen_features: list = field(default_factory=list)
+    cancelled: bool = False
+    error: Exception | None = None  # set when this row failed on its own
+    decode_started: float = 0.0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_new_tokens - self.stats.new_tokens
+
+    def catch_up_drafter(self) -> None:
+        """Show the drafter what was committed since it last drafted, in one call."""
+        if self.unseen_ids:
+            self.drafter.accept(torch.cat(self.unseen_ids), torch.cat(self.unseen_features) if self.unseen_features else None)
+            self.unseen_ids, self.unseen_features = [], []
+
+    @property
+    def ended(self) -> bool:
+        return self.tokens[-1] in self.stop_ids or self.tokens_left <= 0
 
 
 class SpecEngine:
-    def __init__(self, target: TargetAdapter, drafter: Drafter | None = None, block_size: int = 16):
+    def __init__(self, target, drafter: Drafter | None = None, block_size: int = 16, *, max_batch: int = 1,
+                 adaptive: bool = False, planner: DraftPlanner | None = None):
+        """`block_size`: anchor + most drafts per step. `max_batch`: rows decoded together
+        (1: the single-sequence cache, which also serves sliding-window targets). `adaptive`:
+        each step's draft counts come from `planner` (a new DraftPlanner if None), down to
+        none; otherwise every row drafts a full block every step."""
         if block_size < 1:
             raise InvalidArgumentError(f"block size must be >= 1, got {block_size}")
         if drafter is not None and drafter.max_block_size is not None and block_size > drafter.max_block_size:
             raise InvalidArgumentError(
-                f"block size {block_size} is larger than the drafter supports ({drafter.max_block_size})"
-            )
-        self.target = target
-        self.drafter = drafter
+                f"block size {block_size} is larger than the drafter supports ({drafter.max_block_size})")
+        if max_batch < 1:
+            raise InvalidArgumentError(f"max batch must be >= 1, got {max_batch}")
+        self.target, self.drafter = target, drafter
         self.block_size = block_size if drafter is not None else 1
+        self.max_batch = max_batch
+        self.planner = (planner or DraftPlanner(self.block_size - 1)) if adaptive and drafter is not None else None
+        self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
+        self.kv: TargetKV = (SingleSequenceKV if max_batch == 1 else SlotKV)(target, self.layer_ids)
+        self.rows: list[Row] = []
+        self.waiting: list[Row] = []
 
-    def generate(
-        self,
-        prompt_ids: list[int] | torch.Tensor,
-        *,
-        max_new_tokens: int,
-        params: SamplingParams = SamplingParams(),
-        stop_token_ids: tuple[int, ...] | None = None,
-        stats: GenerationStats | None = None,
-        logprobs: list | None = None,
-        top_logprobs: int = 0,
-    ) -> Iterator[list[int]]:
-        """Yield committed tokens chunk by chunk (each chunk is final). Stops after an
-        EOS/stop id (included, nothing after it) or `max_new_tokens` tokens.
+    # --- requests -------------------------------------------------------------------------
+    def add(self, prompt_ids, *, max_new_tokens: int, on_chunk=None, on_done=None,
+            params: SamplingParams = SamplingParams(), stop_token_ids=None, logprobs: list | None = None,
+            top_logprobs: int = 0, stats: GenerationStats | None = None) -> Row:
+        """Queue a sequence; it is prefilled at the next step. Bad requests raise here."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1).tolist()
+        max_new_tokens, stop_ids = check_request(self.target, len(prompt), max_new_tokens, stop_token_ids)
+        row = Row(prompt, max_new_tokens, params, stop_ids, on_chunk or (lambda chunk: None),
+                  on_done or (lambda stats: None), stats if stats is not None else GenerationStats(self.block_size),
+                  logprobs=logprobs, top_logprobs=top_logprobs)
+        self.waiting.append(row)
+        return row
 
-        With a `logprobs` list, one entry per committed token is appended before its
-        chunk is yielded: (log-probability of the token under the target's own
-        distribution, [(id, log-probability)] of its `top_logprobs` best tokens)."""
-        target, drafter = self.target, self.drafter
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).view(-1)
-        max_new_tokens, stop_ids = check_request(target, prompt.numel(), max_new_tokens, stop_token_ids)
-        stats = stats if stats is not None else GenerationStats(self.block_size)
-        layer_ids = drafter.target_layer_ids if drafter is not None else ()
-        # the drafter's own random choices (sampled drafts) and the target's (keyed by position)
-        generator = None if params.greedy else params.generator()
-        sampler = None if params.greedy else TokenSampler(params.seed)
-
-        started = time.perf_counter()
-        target.reset()
-        out = target.forward(prompt, layer_ids)
-        target.rollback(prompt.numel())  # trims sliding-window layers; removes nothing
-        first = next_token(out.logits[-1], params, sampler, 0)
-        if logprobs is not None:
-            record_logprobs(logprobs, out.logits[-1:], [first], top_logprobs)
-        if drafter is not None:
-            drafter.begin(prompt, out.features)
-        tokens = torch.cat([prompt, torch.tensor([first])])  # committed; the last one is the anchor
-        first_done = time.perf_counter()
-        stats.ttft_s = first_done - started
-        stats.new_tokens = 1
+    def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                 stop_token_ids: tuple[int, ...] | None = None, stats: GenerationStats | None = None,
+                 logprobs: list | None = None, top_logprobs: int = 0) -> Iterator[list[int]]:
+        """One sequence, a batch of one: yield committed tokens chunk by chunk (each chunk is
+        final). Stops after an EOS/stop id (included, nothing after it) or `max_new_tokens`.
+        With a `logprobs` list, one entry per committed token is appended before its chunk is
+        yielded: (log-probability under the target's own distribution, [(id, log-probability)]
+        of its `top_logprobs` best tokens)."""
+        if self.busy:
+            raise InvalidArgumentError("generate needs an idle engine (use add/step for many sequences)")
+        chunks: list[list[int]] = []
+        row = self.add(prompt_ids, max_new_tokens=max_new_tokens, on_chunk=chunks.append, params=params,
+                       stop_token_ids=stop_token_ids, logprobs=logprobs, top_logprobs=top_logprobs, stats=stats)
         try:
-            yield [first]
-            if first in stop_ids:
-                return
-            while stats.new_tokens < max_new_tokens:
-                # Never draft past max_new_tokens: accepted drafts + bonus <= what is left.
-                num_drafts = min(self.block_size - 1, max_new_tokens - stats.new_tokens - 1)
-                draft = drafter.propose(tokens, num_drafts, params, generator) if drafter and num_drafts else _NO_DRAFT
-                num_drafts = draft.tokens.numel()
-                verify_ids = torch.cat([tokens[-1:], draft.tokens])
-                out = target.forward(verify_ids, layer_ids)
-                accept_length, bonus = verify(out.logits, draft, params, sampler, stats.new_tokens)
-                # The target keeps K/V of the anchor and the accepted drafts; the bonus
-                # token has none yet: it is the next anchor, written by the next pass.
-                target.rollback(tokens.numel() + accept_length)
-                if drafter is not None:
-                    kept = slice(0, accept_length + 1)
-                    drafter.accept(verify_ids[kept], None if out.features is None else out.features[kept])
-                new = committed_tokens(draft, accept_length, bonus, stop_ids)
-                stats.record_step(num_drafts, accept_length)
-                if logprobs is not None:  # row i of the verify pass is the target's distribution for new[i]
-                    record_logprobs(logprobs, out.logits[: len(new)], new, top_logprobs)
-                tokens = torch.cat([tokens, torch.tensor(new)])
-                stats.new_tokens += len(new)
-                yield new
-                if new[-1] in stop_ids:
+            self.admit()  # the first token streams as soon as the prefill is done
+            while True:
+                if row.error is not None:
+                    raise row.error
+                yield from chunks
+                chunks.clear()
+                if not self.busy:
                     return
-        finally:
-            finished = time.perf_counter()
-            stats.decode_s = finished - first_done
-            stats.total_s = finished - started
+                self.step()
+        finally:  # closed early (or failed): the row leaves and the engine is idle again
+            row.cancelled = True
+            self.drop_cancelled_rows()
+            self.waiting.clear()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    def run(self) -> None:
+        while self.busy:
+            self.step()
+
+    def reset(self) -> None:
+        """Drop every row and the cache (after a failed step: start clean)."""
+        self.rows, self.waiting = [], []
+        self.kv.reset()
+
+    # --- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit waiting sequences, then one draft + verify step for every row."""
+        self.drop_cancelled_rows()
+        self.admit()
+        if not self.rows:
+            return
+        started = time.perf_counter()
+        plan = self._plan()
+        drafts = self._propose(plan)
+        drafting_seconds = time.perf_counter() - started
+        blocks = [[row.tokens[-1]] + draft.tokens.tolist() for row, draft in zip(self.rows, drafts)]
+        logits, features = self.kv.verify(blocks)
+        finished = []
+        for i, (row, draft) in enumerate(zip(self.rows, drafts)):
+            try:
+                self._commit(i, row, draft, logits[i, :len(blocks[i])],
+                             None if features is None else features[i, :len(blocks[i])])
+                if row.ended:
+                    finished.append(i)
+            except Exception as error:  # this row alone fails (its sampling, its callbacks); the rest go on
+                row.error = error
+                finished.append(i)
+        if self.planner is not None:  # drafting's cost includes the catch-up of the drafting rows
+            width = max(len(block) for block in blocks)
+            drafting_rows = sum(1 for count in plan if count)
+            self.planner.record(len(blocks) * width, time.perf_counter() - started - drafting_seconds,
+                                drafting_rows * width, drafting_seconds)
+        for i in reversed(finished):
+            self._finish(i)
+
+    @torch.inference_mode()
+    def admit(self) -> None:
+        """Prefill waiting sequences while there is room: each gets its first token."""
+        while self.waiting and len(self.rows) < self.max_batch:
+            row = self.waiting.pop(0)
+            if row.cancelled:  # left before it started: it still ends, with nothing generated
+                row.on_done(row.stats)
+                continue
+            try:
+                self._prefill(row)
+            except Exception as error:  # this row fails alone; the batch goes on
+                row.error = error
+                if row in self.rows:
+                    self._finish(self.rows.index(row))
+                else:
+                    row.on_done(row.stats)
+
+    def _prefill(self, row: Row) -> None:
+        started = time.perf_counter()
+        row.generator = None if row.params.greedy else row.params.generator()
+        row.sampler = None if row.params.greedy else TokenSampler(row.params.seed)
+        prompt = torch.tensor(row.tokens)
+        logits, features = self.kv.prefill(prompt)
+        try:
+            first = next_token(logits, row.params, row.sampler, 0)
+            if self.drafter is not None:
+                row.drafter = self.drafter.fork()
+                row.drafter.begin(prompt, features)
+        except Exception:
+            self.kv.drop(len(self.rows))  # the row the prefill added: the batch is as it was
+            raise
+        self.rows.append(row)
+        row.stats.ttft_s = time.perf_counter() - started
+        row.decode_started = time.perf_counter()
+        self.commit_chunk(row, [first], logits[None])
+        if row.ended:
+            self._finish(len(self.rows) - 1)
+
+    def _plan(self) -> list[int]:
+        # never draft past max_new_tokens: accepted drafts + bonus <= what is left
+        allowed = [min(self.block_size - 1, row.tokens_left - 1) if row.drafter is not None else 0
+                   for row in self.rows]
+        if self.planner is None:
+            return allowed
+        return self.planner.plan([(row.acceptance, count) if row.drafter is not None else None
+                                  for row, count in zip(self.rows, allowed)])
+
+    def _propose(self, plan: list[int]) -> list[Draft]:
+        drafting = [i for i, count in enumerate(plan) if count]
+        drafts = [NO_DRAFT] * len(self.rows)
+        if not drafting:
+            return drafts
+        requests = []
+        for i in drafting:
+            row = self.rows[i]
+            row.catch_up_drafter()
+            requests.append(DraftRequest(row.drafter, torch.tensor(row.tokens), plan[i], row.params, row.generator))
+        for i, draft in zip(drafting, self.drafter.propose(requests)):
+            drafts[i] = draft
+        return drafts
+
+    def _commit(self, i: int, row: Row, draft: Draft, logits: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Row i's verdict on its draft, given the target's `logits` [1 + k, V] over its block."""
+        drafted = draft.tokens.numel()
+        accept_length, bonus = verify(logits, draft, row.params, row.sampler, row.stats.new_tokens)
+        # The target keeps K/V of the anchor and the accepted drafts; the bonus token has
+        # none yet: it is the next anchor, written by the next pass.
+        self.kv.keep(i, len(row.tokens) + accept_length)
+        if row.drafter is not None:
+            row.unseen_ids.append(torch.tensor([row.tokens[-1]] + draft.tokens[:accept_length].tolist()))
+            if features is not None:  # a copy: a view would keep the whole batch's features alive
+                row.unseen_features.append(features[:accept_length + 1].clone())
+        row.stats.record_step(drafted, accept_length)
+        if self.planner is not None:
+            self.planner.age(row.acceptance)
+            if drafted:
+                self.planner.observe(row.acceptance, drafted, accept_length)
+        self.commit_chunk(row, draft.tokens[:accept_length].tolist() + [bonus], logits)
+
+    @staticmethod
+    def commit_chunk(row: Row, new: list[int], logits: torch.Tensor) -> None:
+        """Append `new` (cut after a stop id and at the budget) to the row and hand it on;
+        row j of `logits` is the target's distribution for new[j]."""
+        new = cut_after_stop(new, row.stop_ids)[: row.tokens_left]
+        if row.logprobs is not None:
+            record_logprobs(row.logprobs, logits[: len(new)], new, row.top_logprobs)
+        row.tokens += new
+        row.stats.new_tokens += len(new)
+        row.on_chunk(new)
+
+    def drop_cancelled_rows(self) -> None:
+        for i in reversed([i for i, row in enumerate(self.rows) if row.cancelled]):
+            self._finish(i)
+
+    def _finish(self, index: int) -> None:
+        row = self.rows.pop(index)
+        self.kv.drop(index)
+        row.stats.decode_s = time.perf_counter() - row.decode_started if row.decode_started else 0.0
+        row.stats.total_s = row.stats.ttft_s + row.stats.decode_s
+        row.on_done(row.stats)
+
+
+class BatchedSpecEngine(SpecEngine):
+    """The engine for serving: up to `max_batch` sequences per step (continuous batching),
+    draft counts planned every step for goodput."""
+
+    def __init__(self, target, drafter: Drafter | None = None, block_size: int = 8, max_batch: int = 8,
+                 adaptive: bool = True, planner: DraftPlanner | None = None):
+        super().__init__(target, drafter, block_size, max_batch=max_batch, adaptive=adaptive, planner=planner)
 
 
 def check_request(target, prompt_len: int, max_new_tokens: int, stop_token_ids=None) -> tuple[int, set[int]]:
@@ -122,32 +307,3 @@ def check_request(target, prompt_len: int, max_new_tokens: int, stop_token_ids=N
         raise InvalidArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop_ids = set(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
     return min(max_new_tokens, target.max_context - prompt_len), stop_ids
-
-
-def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, sampler: TokenSampler | None,
-           position: int) -> tuple[int, int]:
-    """The one verifier every engine uses: (accept_length, bonus token) for `draft` given the
-    target's logits over [anchor, drafts]; `position` is the output position of the first
-    token decided (the number of tokens generated so far)."""
-    if params.greedy:
-        return accept_greedy(logits, draft.tokens)
-    if draft.probs is None:
-        return accept_by_matching_samples(logits, draft.tokens, params, sampler, position)
-    return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, sampler, position)
-
-
-def committed_tokens(draft: Draft, accept_length: int, bonus: int, stop_ids: set[int]) -> list[int]:
-    """The accepted drafts plus the bonus token, cut after the first stop id."""
-    new = draft.tokens[:accept_length].tolist() + [bonus]
-    for index, token in enumerate(new):
-        if token in stop_ids:
-            return new[: index + 1]
-    return new
-
-
-def record_logprobs(sink: list, logits: torch.Tensor, tokens: list[int], top: int) -> None:
-    """Append (log-probability of each token under the target, its `top` best alternatives)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    for row, token in zip(log_probs, tokens):
-        best = row.topk(top) if top else None
-        sink.append((float(row[token]), [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))))

@@ -1,6 +1,6 @@
-"""Drafters: one file per method, all behind the `Drafter` interface of base.py."""
+"""Drafters: one file per method, all behind the engine's contract (`blockspec.decoding.draft`)."""
 
-from blockspec.drafters.base import Draft, Drafter
+from blockspec.decoding.draft import Draft, Drafter, DraftRequest
 from blockspec.drafters.registry import load_drafter
 
-__all__ = ["Draft", "Drafter", "load_drafter"]
+__all__ = ["Draft", "DraftRequest", "Drafter", "load_drafter"]

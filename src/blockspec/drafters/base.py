@@ -1,23 +1,18 @@
-"""The Drafter interface: the only thing the engine knows about a drafting method."""
+"""What drafters share beyond the engine's contract (`blockspec.decoding.draft`): binding
+their weights to the target (`TargetBoundDrafter`), one-token-at-a-time choices, padding
+of per-sequence states, and mapping a reduced draft vocabulary to the target's."""
 
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from blockspec.decoding.draft import Draft, Drafter
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor  # [k] proposed token ids (k may be smaller than asked, even 0)
-    # [k, V] the exact distribution each token was sampled from, or None for
-    # one-hot (deterministic) proposals.
-    probs: torch.Tensor | None = None
+from blockspec.drafters.checkpoint import fit_problems
+from blockspec.errors import DrafterMismatchError
 
 
 def bind_to_target(model: torch.nn.Module, target) -> torch.nn.Module:
@@ -32,42 +27,34 @@ def bind_to_target(model: torch.nn.Module, target) -> torch.nn.Module:
     return model.eval()
 
 
-class Drafter(ABC):
-    """begin on the prompt -> propose a block -> learn what was accepted -> repeat."""
+class TargetBoundDrafter(Drafter):
+    """A drafter with a small model of its own (a `DraftCheckpoint`) that reads the target's
+    features and borrows its embedding and LM head: the fit check, the binding and the head,
+    written once for every such method."""
 
-    name: str = "drafter"
-    #: target layers whose hidden states the drafter reads (empty: none needed)
-    target_layer_ids: tuple[int, ...] = ()
-    #: the largest block (anchor + drafts) the drafter supports; None = any
-    max_block_size: int | None = None
+    kind = "drafter"  # how errors name it
 
-    @abstractmethod
-    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
-        """Start a sequence: the prompt's ids [n] and its target features [n, F] (or None)."""
+    def __init__(self, model, target, *, force: bool = False):
+        """`force` accepts a drafter trained for another tokenizer (the shapes must still fit)."""
+        problems = self.fit_problems(model.config, target, check_fingerprint=not force)
+        if problems:
+            raise DrafterMismatchError(f"{self.kind} does not fit the target: " + "; ".join(problems))
+        self.model = bind_to_target(model, target)
+        self.target = target
+        self.target_layer_ids = tuple(model.config.target_layer_ids)
+        self._head_weight, self._head_bias = self.model.head(target)
+        self._d2t = getattr(self.model, "d2t", None)
 
-    @abstractmethod
-    def propose(
-        self, token_ids: torch.Tensor, num_drafts: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        """Propose up to `num_drafts` tokens after `token_ids` (all committed tokens; the last
-        is the anchor). A sampling drafter draws from `generator`, the engine's one stream."""
+    @staticmethod
+    def fit_problems(config, target, check_fingerprint: bool = True) -> list[str]:
+        return fit_problems(config, target, check_fingerprint)
 
-    def fork(self) -> "Drafter":
-        """A drafter for another sequence, sharing weights but not per-sequence state (the
-        batched engine keeps one per row). Default: a shallow copy, fine for drafters whose
-        `begin` rebinds all their state."""
-        return copy.copy(self)
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the draft vocabulary (the target's head, restricted)."""
+        return F.linear(hidden, self._head_weight, self._head_bias).float()
 
-    def propose_many(self, forks: list["Drafter"], requests: list[tuple]) -> list[Draft]:
-        """Drafts for several sequences at once (the batched engine): `forks[i]` (a fork of
-        this drafter) proposes for `requests[i]` = (token_ids, num_drafts, params, generator),
-        the arguments of `propose`. Default: one by one; a drafter that can draft every
-        sequence in one pass overrides it."""
-        return [fork.propose(*request) for fork, request in zip(forks, requests)]
-
-    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
-        """The verifier kept `committed_ids` (the anchor and the accepted drafts, which now
-        have target K/V) with their target features. Default: nothing to update."""
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self._d2t is None else self._d2t[draft_ids]
 
 
 class TokenPicker:

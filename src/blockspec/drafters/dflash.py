@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
-from blockspec.drafters.base import Draft, Drafter, bind_to_target, on_target_vocabulary, stack_padded
+from blockspec.decoding.draft import Draft, DraftRequest
+from blockspec.drafters.base import TargetBoundDrafter, on_target_vocabulary, stack_padded
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
+from blockspec.drafters.layers import SwiGLU, apply_rope, layer_shape, rope_cos_sin, rope_inverse_frequencies
 from blockspec.errors import DrafterMismatchError
 
 
@@ -34,19 +36,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     span = num_target_layers - 4
     ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
     return sorted({min(max(i, 0), num_target_layers - 2) for i in ids})  # never repeated, never the last layer
-
-
-def layer_shape(target, intermediate_size: int | None = None) -> dict:
-    """The config fields a draft layer copies from `target` (a TargetAdapter): sizes, heads,
-    norm epsilon, RoPE, context length, vocabulary and the target's fingerprint."""
-    tc = target.config
-    heads = tc.num_attention_heads
-    return dict(hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
-                num_attention_heads=heads, num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-                head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-                vocab_size=target.vocab_size, num_target_layers=target.num_layers,
-                rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), rope_theta=target.rope_theta,
-                max_position_embeddings=target.max_context, target=target.fingerprint())
 
 
 @dataclass
@@ -144,22 +133,6 @@ class DFlashConfig:
 
 # --- the model ------------------------------------------------------------------
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [b, 1, n, d] for absolute `positions` [b, n] (default RoPE)."""
-    freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -178,12 +151,12 @@ class DFlashAttention(nn.Module):
         b, n, _ = hidden.shape
         k = self.k_norm(self.k_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(hidden).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _apply_rope(k, cos, sin), v
+        return apply_rope(k, cos, sin), v
 
     def forward(self, hidden, cos, sin, context_k, context_v, attn_mask=None):
         b, n, _ = hidden.shape
         q = self.q_norm(self.q_proj(hidden).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = _apply_rope(q, cos, sin)
+        q = apply_rope(q, cos, sin)
         block_k, block_v = self.key_value(hidden, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)
         v = torch.cat([context_v, block_v], dim=2)
@@ -192,22 +165,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, config: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.self_attn = DFlashAttention(config)
-        self.mlp = DFlashMLP(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -235,8 +197,7 @@ class DFlashDraftModel(DraftCheckpoint, nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config.rope_theta, config.head_dim), persistent=False)
         if config.draft_vocab_size:
             # draft index -> target token id (sorted, absolute ids in memory). On disk `d2t`
             # holds OFFSETS (target id = index + d2t[index]), the EAGLE-3 convention vLLM reads.
@@ -266,7 +227,7 @@ class DFlashDraftModel(DraftCheckpoint, nn.Module):
 
 # --- the drafter in the engine ----------------------------------------------------
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(TargetBoundDrafter):
     name = "dflash"
 
     def __init__(self, model: DFlashDraftModel, target, *, context_window: int | None = None,
@@ -275,16 +236,11 @@ class DFlashDrafter(Drafter):
         `sample_drafts` samples drafts from the drafter's own warped distribution at
         T > 0 (verified by rejection sampling) instead of drafting greedily; `force`
         accepts a drafter trained for another tokenizer (the shapes must still fit)."""
-        check_fits(model.config, target, check_fingerprint=not force)
-        self.model = bind_to_target(model, target)
-        self.target = target
-        self.target_layer_ids = tuple(model.config.target_layer_ids)
+        super().__init__(model, target, force=force)
         self.max_block_size = model.config.block_size
         self.mask_token_id = model.config.mask_token_id
         self.context_window = context_window
         self.sample_drafts = sample_drafts
-        self._head_weight, self._head_bias = self.model.head(target)
-        self._d2t = getattr(self.model, "d2t", None)
         self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._context_len = 0  # positions seen so far (the window may hold fewer)
 
@@ -314,17 +270,7 @@ class DFlashDrafter(Drafter):
         block = block.to(self.target.device)
         positions = torch.arange(start, start + block.numel(), device=block.device)[None]
         hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
-        return F.linear(hidden[0, 1:], self._head_weight, self._head_bias).float()
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self._d2t is None else self._d2t[draft_ids]
-
-    @torch.inference_mode()
-    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
-        start = token_ids.numel() - 1  # position of the anchor
-        block = torch.full((num_drafts + 1,), self.mask_token_id, dtype=torch.long)
-        block[0] = token_ids[-1]
-        return self._draft(self.block_logits(block, start), params, generator)
+        return self.head_logits(hidden[0, 1:])
 
     def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
         if self.sample_drafts and not params.greedy:
@@ -335,43 +281,52 @@ class DFlashDrafter(Drafter):
         return Draft(tokens=self.to_target_ids(logits.argmax(-1)).cpu())
 
     @torch.inference_mode()
-    def propose_many(self, forks: list["DFlashDrafter"], requests: list[tuple]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """Every sequence's block in ONE drafter pass: blocks padded with mask ids to the widest,
         each sequence's cached context padded to the longest; a mask keeps each block query to
         its own context and its own block (padding included nowhere), so every row drafts what
         it would alone, up to float rounding."""
-        if len(forks) == 1:
-            return [forks[0].propose(*requests[0])]
-        width = 1 + max(num_drafts for _, num_drafts, _, _ in requests)
-        contexts = [fork._context_kv[0][0].shape[2] for fork in forks]
-        longest = max(contexts)
+        forks = [request.sequence for request in requests]
+        width = 1 + max(request.num_drafts for request in requests)
         blocks = torch.full((len(forks), width), self.mask_token_id, dtype=torch.long)
         positions = torch.zeros(len(forks), width, dtype=torch.long)
-        allowed = torch.zeros(len(forks), 1, width, longest + width, dtype=torch.bool)
-        for row, ((token_ids, num_drafts, _, _), context) in enumerate(zip(requests, contexts)):
-            blocks[row, 0] = token_ids[-1]
-            positions[row] = torch.arange(token_ids.numel() - 1, token_ids.numel() - 1 + width)
-            allowed[row, :, :, :context] = True
-            allowed[row, :, :, longest:longest + num_drafts + 1] = True
+        for row, request in enumerate(requests):
+            blocks[row, 0] = request.token_ids[-1]
+            anchor_position = request.token_ids.numel() - 1
+            positions[row] = torch.arange(anchor_position, anchor_position + width)
         device = self.target.device
-        context_kv = [(stack_padded([fork._context_kv[layer][0] for fork in forks]),
-                       stack_padded([fork._context_kv[layer][1] for fork in forks]))
-                      for layer in range(len(self.model.layers))]
-        blocks, positions = blocks.to(device), positions.to(device)
-        hidden = self.model(self.target.embed(blocks), positions, context_kv, allowed.to(device))
-        logits = F.linear(hidden[:, 1:], self._head_weight, self._head_bias).float()
-        return [fork._draft(logits[row, :num_drafts], params, generator)
-                for row, (fork, (_, num_drafts, params, generator)) in enumerate(zip(forks, requests))]
+        if len(forks) == 1:  # one sequence: its own context as it is, no mask
+            context_kv, allowed = forks[0]._context_kv, None
+        else:
+            contexts = [fork._context_kv[0][0].shape[2] for fork in forks]
+            longest = max(contexts)
+            allowed = torch.zeros(len(forks), 1, width, longest + width, dtype=torch.bool)
+            for row, (request, context) in enumerate(zip(requests, contexts)):
+                allowed[row, :, :, :context] = True
+                allowed[row, :, :, longest:longest + request.num_drafts + 1] = True
+            allowed = allowed.to(device)
+            context_kv = [(stack_padded([fork._context_kv[layer][0] for fork in forks]),
+                           stack_padded([fork._context_kv[layer][1] for fork in forks]))
+                          for layer in range(len(self.model.layers))]
+        hidden = self.model(self.target.embed(blocks.to(device)), positions.to(device), context_kv, allowed)
+        logits = self.head_logits(hidden[:, 1:])
+        return [fork._draft(logits[row, :request.num_drafts], request.params, request.generator)
+                for row, (fork, request) in enumerate(zip(forks, requests))]
 
     def accept(self, committed_ids, committed_features) -> None:
         self._extend_context(committed_features)
 
+    @staticmethod
+    def fit_problems(config: DFlashConfig, target, check_fingerprint: bool = True) -> list[str]:
+        problems = fit_problems(config, target, check_fingerprint)
+        if not 0 <= config.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {config.mask_token_id} outside the target's vocabulary")
+        return problems
+
 
 def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> None:
     """Raise DrafterMismatchError naming exactly what does not fit `target`."""
-    problems = fit_problems(config, target, check_fingerprint)
-    if not 0 <= config.mask_token_id < target.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} outside the target's vocabulary")
+    problems = DFlashDrafter.fit_problems(config, target, check_fingerprint)
     if problems:
         raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
 

@@ -14,8 +14,8 @@ import copy
 
 import torch
 
-from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter, TokenPicker
+from blockspec.decoding.draft import Draft, Drafter, DraftRequest
+from blockspec.drafters.base import TokenPicker
 from blockspec.errors import DrafterMismatchError
 
 
@@ -49,7 +49,8 @@ class DraftModelDrafter(Drafter):
         self._fed = []
 
     @torch.inference_mode()
-    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
+    def propose_one(self, request: DraftRequest) -> Draft:
+        token_ids, num_drafts = request.token_ids, request.num_drafts
         committed = token_ids.tolist()
         keep = 0
         for ours, theirs in zip(self._fed, committed):
@@ -61,7 +62,7 @@ class DraftModelDrafter(Drafter):
         self._fed = committed[:keep]
         logits = self.draft.forward(token_ids[keep:], (), last_logits_only=True).logits[-1]
         self._fed += committed[keep:]
-        pick = TokenPicker(params, generator, self.target.vocab_size)  # a forced smaller vocabulary: padded
+        pick = TokenPicker(request.params, request.generator, self.target.vocab_size)  # a forced smaller vocabulary: padded
         for index in range(num_drafts):
             token = pick(logits[None])
             if index + 1 < num_drafts:

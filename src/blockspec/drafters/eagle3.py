@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter, TokenPicker, bind_to_target, stack_padded
-from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
-from blockspec.drafters.dflash import DFlashMLP, _apply_rope, layer_shape, rope_cos_sin
+from blockspec.decoding.draft import Draft, DraftRequest
+from blockspec.drafters.base import TargetBoundDrafter, TokenPicker, stack_padded
+from blockspec.drafters.checkpoint import DraftCheckpoint
+from blockspec.drafters.layers import SwiGLU, apply_rope, layer_shape, rope_cos_sin, rope_inverse_frequencies
 from blockspec.errors import DrafterMismatchError
 
 
@@ -155,8 +155,8 @@ class Eagle3Attention(nn.Module):
         """x [b, n, 2H]; keys/values = [past | new]; `mask` [b, 1, n, past + n] (True: attend).
         Returns (output [b, n, H], new K, new V)."""
         b, n, _ = x.shape
-        q = _apply_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = _apply_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q = apply_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
@@ -172,7 +172,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.self_attn = Eagle3Attention(config)
-        self.mlp = DFlashMLP(config)  # the same SwiGLU MLP (gate/up/down_proj)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -198,8 +198,7 @@ class Eagle3DraftModel(DraftCheckpoint, nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config.rope_theta, config.head_dim), persistent=False)
         if config.draft_vocab_size:
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
         self.stored_head = None
@@ -218,20 +217,13 @@ class Eagle3DraftModel(DraftCheckpoint, nn.Module):
         return {"t2d": t2d}
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(TargetBoundDrafter):
     name = "eagle3"
+    kind = "EAGLE-3 drafter"
 
     def __init__(self, model: Eagle3DraftModel, target, *, force: bool = False):
-        config = model.config
-        problems = fit_problems(config, target, check_fingerprint=not force)
-        if problems:
-            raise DrafterMismatchError("EAGLE-3 drafter does not fit the target: " + "; ".join(problems))
-        self.model = bind_to_target(model, target)
-        self.target = target
-        self.target_layer_ids = tuple(config.target_layer_ids)
-        self.max_block_size = config.block_size
-        self._head_weight, self._head_bias = self.model.head(target)
-        self._d2t = getattr(self.model, "d2t", None)
+        super().__init__(model, target, force=force)
+        self.max_block_size = model.config.block_size
         self._keys = self._values = None  # the committed positions' K/V [1, kv, m, d]
         self._unseen: list[torch.Tensor] = []  # features of committed positions not yet in the cache
 
@@ -243,20 +235,16 @@ class Eagle3Drafter(Drafter):
         self._unseen.append(committed_features)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.model.norm(h), self._head_weight, self._head_bias).float()
+        return self.head_logits(self.model.norm(h))
 
     @torch.inference_mode()
-    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
-        return self.propose_many([self], [(token_ids, num_drafts, params, generator)])[0]
-
-    @torch.inference_mode()
-    def propose_many(self, forks: list["Eagle3Drafter"], requests: list[tuple]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """Every row's chain together (`unroll_rows`)."""
-        picks = [TokenPicker(params, generator, self.target.vocab_size, self._d2t)
-                 for _, _, params, generator in requests]
-        token_ids = [ids for ids, _, _, _ in requests]
-        num_drafts = [count for _, count, _, _ in requests]
-        self.unroll_rows(forks, token_ids, num_drafts, lambda row, step, logits: picks[row](logits))
+        picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t)
+                 for request in requests]
+        self.unroll_rows([request.sequence for request in requests], [request.token_ids for request in requests],
+                         [request.num_drafts for request in requests],
+                         lambda row, step, logits: picks[row](logits))
         return [pick.draft() for pick in picks]
 
     @torch.inference_mode()

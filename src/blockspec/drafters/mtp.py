@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter, TokenPicker, bind_to_target
-from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
+from blockspec.decoding.draft import Draft, DraftRequest
+from blockspec.drafters.base import TargetBoundDrafter, TokenPicker
+from blockspec.drafters.checkpoint import DraftCheckpoint
+from blockspec.drafters.layers import swiglu
 from blockspec.errors import DrafterMismatchError
 
 
@@ -96,22 +96,15 @@ class MTPHeadModel(DraftCheckpoint, nn.Module):
         """One recursion: [.., H] hidden and the next token's embedding -> the next hidden."""
         x = self.fc(torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embeds)], dim=-1))
         y = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return x + swiglu(y, self.gate_proj, self.up_proj, self.down_proj)
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(TargetBoundDrafter):
     name = "mtp"
+    kind = "MTP head"
 
     def __init__(self, model: MTPHeadModel, target, *, force: bool = False):
-        config = model.config
-        problems = fit_problems(config, target, check_fingerprint=not force)
-        if problems:
-            raise DrafterMismatchError("MTP head does not fit the target: " + "; ".join(problems))
-        self.model = bind_to_target(model, target)
-        self.target = target
-        self.target_layer_ids = tuple(config.target_layer_ids)
-        self._head_weight, self._head_bias = self.model.head(target)
-        self._d2t = getattr(self.model, "d2t", None)
+        super().__init__(model, target, force=force)
         self._hidden: torch.Tensor | None = None
 
     def begin(self, prompt_ids, prompt_features) -> None:
@@ -121,22 +114,18 @@ class MTPDrafter(Drafter):
         self._hidden = committed_features[-1]  # the last verified position: it predicted the bonus token
 
     @torch.inference_mode()
-    def propose(self, token_ids, num_drafts, params: SamplingParams, generator=None) -> Draft:
-        return self.propose_many([self], [(token_ids, num_drafts, params, generator)])[0]
-
-    @torch.inference_mode()
-    def propose_many(self, forks: list["MTPDrafter"], requests: list[tuple]) -> list[Draft]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """Every row's recursion together, one pass per step (a row that needs fewer drafts
         runs along; its extra steps are dropped)."""
         device = self.target.device
-        hidden = torch.stack([fork._hidden for fork in forks])  # [rows, H]
-        tokens = torch.stack([token_ids[-1] for token_ids, _, _, _ in requests])
-        picks = [TokenPicker(params, generator, self.target.vocab_size, self._d2t)
-                 for _, _, params, generator in requests]
-        for step in range(max(num_drafts for _, num_drafts, _, _ in requests)):
+        hidden = torch.stack([request.sequence._hidden for request in requests])  # [rows, H]
+        tokens = torch.stack([request.token_ids[-1] for request in requests])
+        picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t)
+                 for request in requests]
+        for step in range(max(request.num_drafts for request in requests)):
             hidden = self.model.step(hidden, self.target.embed(tokens.to(device)))
-            logits = F.linear(self.model.norm(hidden), self._head_weight, self._head_bias).float()
-            tokens = torch.tensor([pick(logits[row:row + 1]) if step < requests[row][1] else 0
+            logits = self.head_logits(self.model.norm(hidden))
+            tokens = torch.tensor([pick(logits[row:row + 1]) if step < requests[row].num_drafts else 0
                                    for row, pick in enumerate(picks)])
         return [pick.draft() for pick in picks]
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.decoding.sampling import SamplingParams
-from blockspec.drafters.base import Draft, Drafter
+from blockspec.decoding.draft import Draft, Drafter, DraftRequest
 
 
 class PromptLookupDrafter(Drafter):
@@ -23,7 +22,8 @@ class PromptLookupDrafter(Drafter):
     def begin(self, prompt_ids, prompt_features) -> None:
         pass  # stateless: everything it needs is in the committed tokens
 
-    def propose(self, token_ids: torch.Tensor, num_drafts: int, params: SamplingParams, generator=None) -> Draft:
+    def propose_one(self, request: DraftRequest) -> Draft:
+        token_ids, num_drafts = request.token_ids, request.num_drafts
         length = token_ids.numel()
         # Longest n-gram first: a longer match is a more specific (more often right) guess.
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):

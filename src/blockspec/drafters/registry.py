@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from blockspec.drafters.base import Drafter
+from blockspec.decoding.draft import Drafter
 from blockspec.drafters.dflash import load_dflash
 from blockspec.drafters.eagle3 import load_eagle3
 from blockspec.drafters.mtp import load_mtp

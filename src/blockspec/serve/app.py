@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.decoding.batched_spec import BatchedSpecEngine
+from blockspec.decoding.engine import BatchedSpecEngine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import BlockspecError
 from blockspec.pipeline import TextStream

@@ -1,6 +1,6 @@
-"""Verification rules: which drafted tokens the target keeps, and its bonus token.
+"""Verification: which drafted tokens the target keeps, its bonus token, what is committed.
 
-All three are lossless. Inputs: `target_logits` [k+1, V] from ONE target pass over
+`verify` picks one of three lossless rules. Inputs: `target_logits` [k+1, V] from ONE target pass over
 [anchor, d_1..d_k] (row i is the target's distribution for the token after
 position i), the k draft tokens and, for probabilistic drafts, `draft_probs` [k, V]:
 exactly the distribution each draft token was sampled from.
@@ -11,7 +11,36 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.decoding.draft import Draft
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, warp_probs
+
+
+def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, sampler: TokenSampler | None,
+           position: int) -> tuple[int, int]:
+    """The one verifier every path uses: (accept_length, bonus token) for `draft` given the
+    target's logits over [anchor, drafts]; `position` is the output position of the first
+    token decided (the number of tokens generated so far)."""
+    if params.greedy:
+        return accept_greedy(logits, draft.tokens)
+    if draft.probs is None:
+        return accept_by_matching_samples(logits, draft.tokens, params, sampler, position)
+    return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, sampler, position)
+
+
+def cut_after_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    """`tokens` up to and including the first stop id (nothing after it is generated)."""
+    for index, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: index + 1]
+    return tokens
+
+
+def record_logprobs(sink: list, logits: torch.Tensor, tokens: list[int], top: int) -> None:
+    """Append (log-probability of each token under the target, its `top` best alternatives)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    for row, token in zip(log_probs, tokens):
+        best = row.topk(top) if top else None
+        sink.append((float(row[token]), [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))))
 
 
 def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,75 @@
+"""The draft contract: what the engine asks of a drafting method, and what it gets back.
+
+The engine owns it (as vLLM v1's engine owns its proposer metadata); drafters in
+`blockspec.drafters` implement it and import it from here, never the reverse.
+
+A drafter object holds weights; `fork()` gives one per sequence for its own state.
+Per sequence: `begin` on the prompt, then every step `propose` (through a request
+naming that sequence's fork) and, once the verifier has decided, `accept` of what the
+target kept. One `propose` call serves any number of sequences: a drafter that can
+draft them all in one pass does so; the default drafts them one by one.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [k] proposed token ids (k may be smaller than asked, even 0)
+    # [k, V] the exact distribution each token was sampled from, or None for
+    # one-hot (deterministic) proposals.
+    probs: torch.Tensor | None = None
+
+
+NO_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
+
+
+@dataclass
+class DraftRequest:
+    sequence: "Drafter"  # the fork holding this sequence's drafter state (its begin / accept)
+    token_ids: torch.Tensor  # [n] every committed token, prompt included; the last is the anchor
+    num_drafts: int  # propose at most this many tokens after the anchor
+    params: SamplingParams
+    generator: torch.Generator | None = None  # the drafter's own random stream (sampled drafts)
+
+
+class Drafter(ABC):
+    """begin on the prompt -> propose a block -> learn what was accepted -> repeat."""
+
+    name: str = "drafter"
+    #: target layers whose hidden states the drafter reads (empty: none needed)
+    target_layer_ids: tuple[int, ...] = ()
+    #: the largest block (anchor + drafts) the drafter supports; None = any
+    max_block_size: int | None = None
+
+    @abstractmethod
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:
+        """Start a sequence: the prompt's ids [n] and its target features [n, F] (or None)."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One draft per request (the engine's only drafting call). Default: each sequence's
+        fork on its own (`propose_one`); a drafter that drafts every sequence in one pass
+        overrides this instead."""
+        return [request.sequence.propose_one(request) for request in requests]
+
+    def propose_one(self, request: DraftRequest) -> Draft:
+        """Up to `request.num_drafts` tokens after the anchor, from this fork's state. A
+        sampling drafter draws from `request.generator`."""
+        raise NotImplementedError(f"{type(self).__name__} overrides neither propose nor propose_one")
+
+    def fork(self) -> "Drafter":
+        """A drafter for another sequence, sharing weights but not per-sequence state. Default:
+        a shallow copy, fine for drafters whose `begin` rebinds all their state."""
+        return copy.copy(self)
+
+    def accept(self, committed_ids: torch.Tensor, committed_features: torch.Tensor | None) -> None:
+        """The verifier kept `committed_ids` (anchors and accepted drafts, which now have
+        target K/V) with their target features. Default: nothing to update."""
