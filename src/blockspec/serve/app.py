@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from blockspec.decoding.batched_spec import BatchedSpecEngine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import BlockspecError
-from blockspec.pipeline import TextStream
+from blockspec.pipeline import RowText
 
 MAX_N = 8
 CHARS_PER_TOKEN = 32
@@ -323,17 +323,18 @@ class Worker(threading.Thread):
         if time.monotonic() > job.deadline:
             self._send(job, ("error", ApiError(504, "the request timed out in the queue", kind="timeout")))
             return None
-        target = self.decoder.target
         options = job.options
         try:
             params = SamplingParams(temperature=options["temperature"], top_p=options["top_p"], top_k=options["top_k"],
                                     seed=options.get("seed"))
-            entry = _Running(job, TextStream(target, [s for s in options["stop"] if s], set(target.eos_token_ids)),
-                             [] if options.get("logprobs") is not None else None, len(job.prompt_ids))
-            entry.row = self.batched.add(job.prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
-                                         on_chunk=lambda chunk: self._on_chunk(entry, chunk),
-                                         on_done=lambda stats: self._on_done(entry, stats),
-                                         logprobs=entry.logprobs, top_logprobs=options.get("logprobs") or 0)
+            text = RowText(self.decoder.target, options["stop"], len(job.prompt_ids),
+                           [] if options.get("logprobs") is not None else None,
+                           on_text=lambda piece: self._send(job, ("text", piece)))
+            entry = _Running(job, text)
+            text.row = self.batched.add(job.prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
+                                        on_chunk=lambda chunk: self._on_chunk(entry, chunk),
+                                        on_done=lambda stats: self._on_done(entry, stats),
+                                        logprobs=text.logprobs, top_logprobs=options.get("logprobs") or 0)
             return entry
         except BlockspecError as error:
             self._send(job, ("error", ApiError(400, str(error))))
@@ -342,13 +343,8 @@ class Worker(threading.Thread):
         return None
 
     def _on_chunk(self, entry: "_Running", chunk: list[int]) -> None:
-        if entry.job.cancelled.is_set() or entry.text.stopped:
-            return
-        piece = entry.text.feed(chunk)
-        if piece:
-            self._send(entry.job, ("text", piece))
-        if entry.text.stopped:
-            entry.row.cancelled = True  # a stop string: leave the batch at the next step
+        if not entry.job.cancelled.is_set():  # the client left: its row leaves at the next step, unread
+            entry.text.on_chunk(chunk)
 
     def _on_done(self, entry: "_Running", stats) -> None:
         if entry.failed:
@@ -356,17 +352,13 @@ class Worker(threading.Thread):
         entry.done = True
         if entry.job.cancelled.is_set():
             return
-        if entry.row is not None and entry.row.error is not None:  # this request alone failed
+        if entry.row.error is not None:  # this request alone failed
             self._send(entry.job, ("error", internal_error(entry.row.error)))
             return
         if entry.timed_out:
             self._send(entry.job, ("error", ApiError(504, "the request timed out", kind="timeout")))
             return
-        piece = entry.text.flush()
-        if piece:
-            self._send(entry.job, ("text", piece))
-        stats.new_tokens = len(entry.text.tokens)
-        result = entry.text.result(stats, entry.prompt_tokens, entry.logprobs)
+        result = entry.text.finish(stats)
         self.metrics.record(result)
         self._send(entry.job, ("done", result))
 
@@ -374,13 +366,14 @@ class Worker(threading.Thread):
 @dataclass
 class _Running:
     job: Job
-    text: TextStream
-    logprobs: list | None
-    prompt_tokens: int
-    row: object = None
+    text: RowText
     timed_out: bool = False
     done: bool = False
     failed: bool = False
+
+    @property
+    def row(self):
+        return self.text.row
 
 
 # --- before the routes: host, key, body size; one log line per request -------------------
