@@ -16,6 +16,9 @@ header on a keyless loopback server), 401 for a missing or wrong API key, 413 fo
 past the cap, 429 (with Retry-After) when the queue is full, 504 when a request runs out
 of time, 500 only for a bug, which fails that request alone and is logged with its
 traceback. Fields the server does not use are ignored, as OpenAI clients send many.
+
+schemas.py holds OpenAI's request and error bodies, worker.py the thread that owns the
+decoder, metrics.py the Prometheus metrics; here, the HTTP side.
 """
 
 from __future__ import annotations
@@ -24,363 +27,30 @@ import asyncio
 import json
 import logging
 import math
-import queue
 import secrets
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockspec.decoding.batched_spec import BatchedSpecEngine
-from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import BlockspecError
-from blockspec.pipeline import RowText
+from blockspec.serve.metrics import Metrics
+from blockspec.serve.schemas import ApiError, ChatRequest, CompletionRequest, GenerationRequest, error_body
+from blockspec.serve.worker import Job, Worker
 
-MAX_N = 8
 CHARS_PER_TOKEN = 32
 DISCONNECT_CHECK_S = 0.5
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
 
 log = logging.getLogger("blockspec.serve")
 
 
-def internal_error(error: BaseException) -> "ApiError":
-    """A 500 whose body names no internals; the server log keeps the traceback under an id."""
-    incident = uuid.uuid4().hex[:12]
-    log.error("internal error %s: %s", incident, type(error).__name__,
-              exc_info=(type(error), error, error.__traceback__))
-    return ApiError(500, f"internal server error (logged as {incident})", kind="server_error")
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# --- request schemas: unknown fields ignored, known ones strictly checked ---------------
-# OpenAI's ranges and types: a JSON `true` or `"5"` is not a number, nor `"yes"` a boolean.
-
-MAX_STOP_STRINGS = 4  # OpenAI's limit
-MAX_STOP_CHARS = 512
-INT64 = 2**63
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, gt=0)
-    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
-    # 0..2 as OpenAI; a tiny positive temperature is sampled safely (sampling.warp_probs)
-    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: StrictInt = Field(default=0, ge=0)  # 0: off
-    seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
-    stream: StrictBool = False
-    stream_options: dict | None = None
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _a_number(cls, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError("must be a number")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stops(cls, value):
-        stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
-        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
-            raise ValueError(f"a stop sequence holds at most {MAX_STOP_CHARS} characters")
-        return value
-
-    def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
-class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr]
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    echo: StrictBool = False
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal[ROLES]
-    content: StrictStr | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        """The message's text: a string, or its text parts joined (OpenAI's content parts)."""
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-
-
-# --- metrics -------------------------------------------------------------------------
-
-class Metrics:
-    """Counters named like the serving engines' speculative metrics."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("blockspec_requests", "Requests served (finished, any outcome)", ["route"], registry=r)
-        self.errors = Counter("blockspec_request_errors", "Requests answered with an error", ["status"], registry=r)
-        self.prompt_tokens = Counter("blockspec_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("blockspec_generation_tokens", "Tokens generated", registry=r)
-        self.drafts = Counter("blockspec_spec_decode_num_drafts", "Verify steps that checked a draft", registry=r)
-        self.draft_tokens = Counter("blockspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.accepted_tokens = Counter("blockspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                       registry=r)
-        self.accepted_per_pos = Counter("blockspec_spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position", ["position"], registry=r)
-        self.tpot = Histogram("blockspec_time_per_output_token_seconds", "Decode time per output token",
-                              buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
-                              registry=r)
-
-    def record(self, result) -> None:
-        stats = result.stats
-        self.prompt_tokens.inc(result.prompt_tokens)
-        self.generation_tokens.inc(len(result.token_ids))
-        proposed = sum(stats.proposed_by_pos)
-        if proposed:
-            self.drafts.inc(stats.proposed_by_pos[0])  # steps that proposed at least one draft token
-            self.draft_tokens.inc(proposed)
-            self.accepted_tokens.inc(sum(stats.accepted_by_pos))
-            for position, accepted in enumerate(stats.accepted_by_pos, 1):
-                self.accepted_per_pos.labels(position=str(position)).inc(accepted)
-        if len(result.token_ids) > 1:
-            self.tpot.observe(stats.decode_s / (len(result.token_ids) - 1))
-
-
-# --- the worker ----------------------------------------------------------------------
-
-@dataclass
-class Job:
-    prompt: object  # text, or chat messages
-    prompt_ids: list[int]  # tokenized once, on the HTTP side
-    raw: bool
-    options: dict
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    deadline: float
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    checked_at: float = field(default_factory=time.monotonic)  # when the client was last seen connected
-
-
-class Worker(threading.Thread):
-    """Owns the decoder. Events sent back per job: ("text", piece), ("done", GenerationResult),
-    ("error", ApiError).
-
-    With a full-attention target, jobs decode TOGETHER (BatchedSpecEngine: one target pass
-    per step for every running job, new jobs admitted between steps); otherwise (e.g.
-    sliding-window layers) one at a time in arrival order."""
-
-    def __init__(self, decoder, max_queue: int, metrics: Metrics, max_batch: int = 8):
-        super().__init__(daemon=True, name="blockspec-worker")
-        self.decoder, self.metrics = decoder, metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.batched = None
-        if max_batch > 1:
-            try:
-                self.batched = BatchedSpecEngine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
-            except BlockspecError as why:
-                print(f"blockspec serve: requests will decode one at a time ({why})", flush=True)
-
-    def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise ApiError(429, "the server is busy: too many queued requests, retry later",
-                           kind="rate_limit_error") from None
-
-    def stop(self) -> None:
-        while True:  # make room for the stop marker: queued jobs are answered 503
-            try:
-                self.jobs.put_nowait(None)
-                return
-            except queue.Full:
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    continue
-                if job is not None:
-                    self._send(job, ("error", ApiError(503, "the server is shutting down", kind="server_error")))
-
-    def run(self) -> None:
-        if self.batched is not None:
-            self._run_batched()
-            return
-        while (job := self.jobs.get()) is not None:
-            self._run(job)
-
-    def _send(self, job: Job, event) -> None:
-        try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
-
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            return
-        if time.monotonic() > job.deadline:
-            self._send(job, ("error", ApiError(504, "the request timed out in the queue", kind="timeout")))
-            return
-        try:
-            def should_stop():
-                return job.cancelled.is_set() or time.monotonic() > job.deadline
-
-            for piece in self.decoder.stream(job.prompt, raw=job.raw, should_stop=should_stop, **job.options):
-                self._send(job, ("text", piece))
-            result = self.decoder.last_result
-            if result.finish_reason == "cancelled" and not job.cancelled.is_set():
-                self._send(job, ("error", ApiError(504, "the request timed out", kind="timeout")))
-                return
-            self.metrics.record(result)
-            self._send(job, ("done", result))
-        except BlockspecError as error:
-            self._send(job, ("error", ApiError(400, str(error))))
-        except Exception as error:  # never let one request kill the worker
-            self._send(job, ("error", internal_error(error)))
-
-    # --- many jobs at once ------------------------------------------------------------
-    def _run_batched(self) -> None:
-        running: list[_Running] = []
-        while True:
-            arrived = []
-            if not self.batched.busy:
-                arrived.append(self.jobs.get())  # idle: wait for work
-            # take jobs only while the batch has room: the rest wait in the bounded queue (429 when full)
-            while len(self.batched.rows) + len(self.batched.waiting) + len(arrived) < self.batched.max_batch:
-                try:
-                    arrived.append(self.jobs.get_nowait())
-                except queue.Empty:
-                    break
-            if None in arrived:
-                for job in arrived + [entry.job for entry in running]:
-                    if job is not None:
-                        self._send(job, ("error", ApiError(503, "the server is shutting down", kind="server_error")))
-                return
-            try:
-                for job in arrived:
-                    entry = self._admit(job)
-                    if entry is not None:
-                        running.append(entry)
-                now = time.monotonic()
-                for entry in running:
-                    if entry.job.cancelled.is_set():
-                        entry.row.cancelled = True
-                    elif now > entry.job.deadline and not entry.row.cancelled:
-                        entry.timed_out = entry.row.cancelled = True
-                running = [entry for entry in running if not entry.done]
-                self.batched.step()
-            except Exception as error:  # a failed step fails the jobs in it, never the server
-                failure = internal_error(error)
-                for entry in running:
-                    if not entry.done:
-                        entry.failed = entry.done = True
-                        self._send(entry.job, ("error", failure))
-                self.batched.reset()
-                running = []
-
-    def _admit(self, job: Job):
-        if job.cancelled.is_set():
-            return None
-        if time.monotonic() > job.deadline:
-            self._send(job, ("error", ApiError(504, "the request timed out in the queue", kind="timeout")))
-            return None
-        options = job.options
-        try:
-            params = SamplingParams(temperature=options["temperature"], top_p=options["top_p"], top_k=options["top_k"],
-                                    seed=options.get("seed"))
-            text = RowText(self.decoder.target, options["stop"], len(job.prompt_ids),
-                           [] if options.get("logprobs") is not None else None,
-                           on_text=lambda piece: self._send(job, ("text", piece)))
-            entry = _Running(job, text)
-            text.row = self.batched.add(job.prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
-                                        on_chunk=lambda chunk: self._on_chunk(entry, chunk),
-                                        on_done=lambda stats: self._on_done(entry, stats),
-                                        logprobs=text.logprobs, top_logprobs=options.get("logprobs") or 0)
-            return entry
-        except BlockspecError as error:
-            self._send(job, ("error", ApiError(400, str(error))))
-        except Exception as error:
-            self._send(job, ("error", internal_error(error)))
-        return None
-
-    def _on_chunk(self, entry: "_Running", chunk: list[int]) -> None:
-        if not entry.job.cancelled.is_set():  # the client left: its row leaves at the next step, unread
-            entry.text.on_chunk(chunk)
-
-    def _on_done(self, entry: "_Running", stats) -> None:
-        if entry.failed:
-            return
-        entry.done = True
-        if entry.job.cancelled.is_set():
-            return
-        if entry.row.error is not None:  # this request alone failed
-            self._send(entry.job, ("error", internal_error(entry.row.error)))
-            return
-        if entry.timed_out:
-            self._send(entry.job, ("error", ApiError(504, "the request timed out", kind="timeout")))
-            return
-        result = entry.text.finish(stats)
-        self.metrics.record(result)
-        self._send(entry.job, ("done", result))
-
-
-@dataclass
-class _Running:
-    job: Job
-    text: RowText
-    timed_out: bool = False
-    done: bool = False
-    failed: bool = False
-
-    @property
-    def row(self):
-        return self.text.row
-
-
 # --- before the routes: host, key, body size; one log line per request -------------------
-
-class _BodyTooLarge(Exception):
-    pass
-
 
 class Guard:
     """ASGI middleware in front of every route: the Host header of a keyless server (DNS
@@ -419,7 +89,7 @@ class Guard:
         state = {"status": 0, "too_large": False, "replaced": False}
 
         async def refuse(status: int, message: str, kind: str):
-            self.metrics.errors.labels(status=str(status)).inc()
+            self.metrics.count_error(status)
             response = JSONResponse(error_body(message, kind), status_code=status)
             await response(scope, receive, logged_send)
 
@@ -507,7 +177,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, config=config, metrics=metrics)
 
     def fail(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        metrics.errors.labels(status=str(status)).inc()
+        metrics.count_error(status)
         return JSONResponse(error_body(message, kind, param), status_code=status)
 
     @app.exception_handler(ApiError)
@@ -542,10 +212,10 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+        return PlainTextResponse(metrics.exposition(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def check(request: _Common, prompt_ids_len: int) -> dict:
+    def check(request: GenerationRequest, prompt_ids_len: int) -> dict:
         if request.model != config.model_name:
             raise ApiError(400, f"unknown model {request.model!r}: this server serves {config.model_name!r}", "model")
         if request.stream and (getattr(request, "logprobs", None) not in (None, False)):
@@ -561,7 +231,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
         return {"max_new_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
                 "top_k": request.top_k, "stop": request.stops()}
 
-    async def generate(request: _Common, prompt, raw: bool, logprobs: int | None, http: Request, chat: bool):
+    async def generate(request: GenerationRequest, prompt, raw: bool, logprobs: int | None, http: Request, chat: bool):
         field_name = "messages" if chat else "prompt"
         if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
             raise ApiError(400, "the prompt is empty", field_name)
@@ -582,7 +252,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + config.request_timeout_s
         if worker.jobs.maxsize - worker.jobs.qsize() < request.n:  # all n choices are queued, or none
-            raise ApiError(429, "the server is busy: too many queued requests, retry later", kind="rate_limit_error")
+            raise ApiError.busy()
         jobs = []
         try:
             for index in range(request.n):
@@ -614,7 +284,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
             except asyncio.TimeoutError:
                 if time.monotonic() > job.deadline + 30 or not worker.is_alive():
                     job.cancelled.set()
-                    raise ApiError(504, "the request timed out", kind="timeout") from None
+                    raise ApiError.timed_out() from None
 
     async def collect(job: Job, http: Request):
         """Wait for a job's end."""
@@ -660,7 +330,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
                                               "bytes": list(token_text(i).encode())} for i, v in best]})
         return {"content": content}
 
-    async def stream_response(jobs, prompt_tokens: int, request: _Common, http: Request, chat: bool):
+    async def stream_response(jobs, prompt_tokens: int, request: GenerationRequest, http: Request, chat: bool):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -694,7 +364,7 @@ def create_app(decoder, config: ServerConfig) -> FastAPI:
                             yield chunk(index, None, finish(payload))
                             break
                         else:
-                            metrics.errors.labels(status=str(payload.status)).inc()
+                            metrics.count_error(payload.status)
                             yield "data: " + json.dumps(error_body(payload.message, payload.kind)) + "\n\n"
                             return
                 final = {"id": request_id, "object": kind, "created": created, "model": config.model_name,
