@@ -189,7 +189,8 @@ def test_a_request_timeout_that_is_not_a_positive_number_is_refused_before_loadi
 
 
 def test_host_names_with_and_without_ports_are_read_right():
-    from blockspec.serve.app import Guard, Metrics, ServerConfig
+    from blockspec.serve.app import Guard, ServerConfig
+    from blockspec.serve.metrics import Metrics
 
     guard = Guard(None, ServerConfig(model_name="m"), Metrics())
     for host in ("127.0.0.1:8000", "localhost", "[::1]:8000", "[::1]", "::1"):

@@ -73,29 +73,19 @@ class SpecDecoder:
             engine = BatchedSpecEngine(self.target, self.drafter, self.block_size, max_batch)
         except BlockspecError:
             return [self.generate(p, seed=s, **options) for p, s in zip(prompts, seeds)]
-        stops = [s for s in (stop or []) if s]
         results: list[GenerationResult | None] = [None] * len(prompts)
-        rows = {}
         for index, (prompt, prompt_seed) in enumerate(zip(prompts, seeds)):
             if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
                 raise InvalidArgumentError(f"prompt {index} is empty")
             params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=prompt_seed)
             prompt_ids = self.target.encode_prompt(prompt, raw=raw)
-            text = TextStream(self.target, stops, set(self.target.eos_token_ids))
+            text = RowText(self.target, stop, len(prompt_ids))
 
-            def on_chunk(chunk, text=text, index=index):
-                if not text.stopped:
-                    text.feed(chunk)
-                    if text.stopped:
-                        rows[index].cancelled = True  # a stop string: leave the batch
+            def on_done(stats, text=text, index=index):
+                results[index] = text.finish(stats)
 
-            def on_done(stats, text=text, index=index, prompt_len=len(prompt_ids)):
-                text.flush()
-                stats.new_tokens = len(text.tokens)
-                results[index] = text.result(stats, prompt_len, None)
-
-            rows[index] = engine.add(prompt_ids, max_new_tokens=max_new_tokens, params=params, on_chunk=on_chunk,
-                                     on_done=on_done)
+            text.row = engine.add(prompt_ids, max_new_tokens=max_new_tokens, params=params, on_chunk=text.on_chunk,
+                                  on_done=on_done)
         engine.run()
         return results
 
@@ -119,12 +109,11 @@ class SpecDecoder:
             raise InvalidArgumentError("the prompt is empty")
         if isinstance(prompt, list) and not prompt:
             raise InvalidArgumentError("the message list is empty")
-        stops = [s for s in (stop or []) if s]
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         prompt_ids = self.target.encode_prompt(prompt, raw=raw)
         stats = GenerationStats(self.engine.block_size)
         eos = set(self.target.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        text_stream = TextStream(self.target, stops, eos)
+        text_stream = TextStream(self.target, stop, eos)
         sink = [] if logprobs is not None else None
         chunks = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, params=params,
                                       stop_token_ids=stop_token_ids, stats=stats, logprobs=sink,
@@ -144,7 +133,6 @@ class SpecDecoder:
         piece = text_stream.flush()
         if piece:
             yield piece
-        stats.new_tokens = len(text_stream.tokens)
         self._result = text_stream.result(stats, len(prompt_ids), sink)
 
 
@@ -153,8 +141,9 @@ class TextStream:
     UTF-8 character or with the start of a stop string; a stop string ends the text
     (excluded) and the tokens (at the shortest prefix that produced it)."""
 
-    def __init__(self, target, stops: list[str], eos: set[int]):
-        self.target, self.stops, self.eos = target, stops, eos
+    def __init__(self, target, stops: list[str] | None, eos: set[int]):
+        self.target, self.eos = target, eos
+        self.stops = [s for s in (stops or []) if s]  # an empty stop string would end every text at once
         self.tokens: list[int] = []
         self.text = ""
         self.emitted = 0  # characters already handed out
@@ -183,9 +172,39 @@ class TextStream:
         return piece
 
     def result(self, stats: GenerationStats, prompt_tokens: int, logprobs: list | None) -> GenerationResult:
+        """The text so far as a result; `stats` counts the tokens kept (a stop string cuts some)."""
+        stats.new_tokens = len(self.tokens)
         return GenerationResult(text=self.text, token_ids=self.tokens, stats=stats, finish_reason=self.finish_reason,
                                 prompt_tokens=prompt_tokens,
                                 logprobs=None if logprobs is None else logprobs[: len(self.tokens)])
+
+
+class RowText:
+    """The text of one row of a BatchedSpecEngine: pass `on_chunk` to `engine.add` and set
+    `row` to the row it returns. Its committed chunks go through a TextStream, each final
+    piece to `on_text`; a stop string cancels the row, so it leaves the batch at the next step."""
+
+    def __init__(self, target, stops: list[str] | None, prompt_tokens: int, logprobs: list | None = None,
+                 on_text: Callable[[str], None] | None = None):
+        self.stream = TextStream(target, stops, set(target.eos_token_ids))
+        self.prompt_tokens, self.logprobs, self.on_text = prompt_tokens, logprobs, on_text
+        self.row = None
+
+    def on_chunk(self, chunk: list[int]) -> None:
+        if self.stream.stopped:
+            return
+        self._hand_out(self.stream.feed(chunk))
+        if self.stream.stopped:
+            self.row.cancelled = True
+
+    def finish(self, stats: GenerationStats) -> GenerationResult:
+        """The row ended: hand out the held-back rest, and the result."""
+        self._hand_out(self.stream.flush())
+        return self.stream.result(stats, self.prompt_tokens, self.logprobs)
+
+    def _hand_out(self, piece: str) -> None:
+        if piece and self.on_text is not None:
+            self.on_text(piece)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:
