@@ -59,7 +59,7 @@ def test_features_are_stored_in_16_bits_without_ever_overflowing():
 
 
 def test_regenerated_features_switch_to_bf16_when_fp16_would_overflow():
-    from blockspec.decoding.batched import generate_batch
+    from blockspec.training.regenerate import generate_batch
 
     model = tiny_model("llama")
     with torch.no_grad():  # blow up one decoder layer's output scale
