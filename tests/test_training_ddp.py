@@ -84,9 +84,11 @@ def test_fsdp_trains_an_independent_draft_model(tmp_path):
 def test_unknown_parallel_mode_is_an_error(parallel):
     from blockspec.errors import InvalidArgumentError
     from blockspec.training.config import TrainConfig
-    from blockspec.training.trainer import DFlashTrainer
+    from blockspec.training.methods.dflash import DFlashMethod
+    from blockspec.training.trainer import Trainer
     from conftest import tiny_target
 
     records = [{"prompt_ids": [3, 4, 5], "response_ids": list(range(10, 30))}] * 3
     with pytest.raises(InvalidArgumentError, match="parallel must be ddp or fsdp"):
-        DFlashTrainer(TrainConfig(data="unused", parallel=parallel, block_size=4, holdout=0), tiny_target("llama"), records)
+        Trainer(TrainConfig(data="unused", parallel=parallel, block_size=4, holdout=0), tiny_target("llama"),
+                DFlashMethod(), records)
