@@ -10,6 +10,7 @@ from blockspec.decoding.stats import GenerationStats
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.training.config import TrainConfig, load_config
+from blockspec.training.methods import METHODS
 from blockspec.training.methods.dflash import DFlashMethod, build_blocks
 from blockspec.training.trainer import IGNORE, Trainer, loss_weights, sample_anchors
 from conftest import DATA_DIR, hf_greedy, tiny_target
@@ -71,16 +72,18 @@ def test_overfit_gate_a_drafter_trained_on_one_sequence_drafts_it_whole(tmp_path
     assert stats.tau >= 7.0, stats.accept_hist
 
 
-def test_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_resume_is_bit_identical(tmp_path, method):
     target = tiny_target("llama")
     records = [one_record(target, 30), {"prompt_ids": [3, 4], "response_ids": list(range(10, 40))}]
-    straight = Trainer(small_config(tmp_path / "a", epochs=6, batch_size=1, holdout=0), target, DFlashMethod(),
-                       records)
+    shape = dict(method=method, num_layers=2 if method == "draft-model" else 1)
+    straight = Trainer(small_config(tmp_path / "a", epochs=6, batch_size=1, holdout=0, **shape), target,
+                       METHODS[method], records)
     straight.run()
-    first = Trainer(small_config(tmp_path / "b", epochs=6, max_steps=5, save_every=5), target, DFlashMethod(),
-                    records)
+    first = Trainer(small_config(tmp_path / "b", epochs=6, max_steps=5, save_every=5, **shape), target,
+                    METHODS[method], records)
     first.run()
-    resumed = Trainer(small_config(tmp_path / "b", epochs=6), target, DFlashMethod(), records)
+    resumed = Trainer(small_config(tmp_path / "b", epochs=6, **shape), target, METHODS[method], records)
     resumed.run(resume=True)
     assert resumed.step == straight.step == 12
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):

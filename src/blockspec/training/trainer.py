@@ -55,6 +55,9 @@ class Method(Protocol):
     ddp_wrapper: bool
     #: FSDP can shard its model (`shard`); else --parallel fsdp is refused
     shardable: bool
+    #: its model's config records the target it was trained for: a resume checks that it is
+    #: this run's target (`fit_problems`)
+    records_target: bool
 
     def build_model(self, config: TrainConfig, target) -> torch.nn.Module:
         """A fresh fp32 model for `target`, with `from_pretrained(folder)` and `write_files(folder)`."""
@@ -494,7 +497,7 @@ class Trainer:
             return False
         restored = type(self.model).from_pretrained(folder)
         # a run folder of another target (or of another drafter shape) is refused, not overwritten
-        problems = fit_problems(restored.config, self.target)
+        problems = fit_problems(restored.config, self.target) if self.method.records_target else []
         mine = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
         theirs = {n: tuple(t.shape) for n, t in restored.state_dict().items()}
         if mine != theirs:

@@ -128,6 +128,7 @@ class DFlashMethod:
     borrows_target_head = True
     ddp_wrapper = True
     shardable = True
+    records_target = True
 
     def build_model(self, config: TrainConfig, target) -> DFlashDraftModel:
         mask_token_id = config.mask_token_id if config.mask_token_id is not None else choose_mask_token(target)

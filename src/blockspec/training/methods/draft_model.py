@@ -94,6 +94,7 @@ class DraftModelMethod:
     borrows_target_head = False  # a whole LM with its own head (the target's vocabulary)
     ddp_wrapper = True
     shardable = True
+    records_target = False  # a plain transformers config: its shapes are what ties it to the target
 
     def build_model(self, config: TrainConfig, target) -> DraftLM:
         return draft_lm_for(target, config.num_layers)

@@ -58,6 +58,7 @@ class Eagle3Method:
     borrows_target_head = True
     ddp_wrapper = False  # the layer runs K times per step: the trainer averages its gradients
     shardable = False  # one layer: nothing to gain from sharding it
+    records_target = True
 
     def build_model(self, config: TrainConfig, target) -> Eagle3DraftModel:
         drafter_config = Eagle3Config.for_target(target, block_size=config.block_size,

@@ -23,6 +23,7 @@ class MTPMethod:
     borrows_target_head = True
     ddp_wrapper = False  # the head runs K times per step: the trainer averages its gradients
     shardable = False  # one small head: nothing to gain from sharding it
+    records_target = True
 
     def build_model(self, config: TrainConfig, target) -> MTPHeadModel:
         head_config = MTPConfig.for_target(target, block_size=config.block_size,
