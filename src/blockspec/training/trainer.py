@@ -53,7 +53,8 @@ class Method(Protocol):
     #: it calls its model once per step, so DDP wraps the model; else the trainer averages the
     #: gradients over processes itself
     ddp_wrapper: bool
-    #: FSDP can shard its model (`shard`); else --parallel fsdp is refused
+    #: FSDP can shard its model: the method then has `shard(model)`, FSDP2 in place; else
+    #: --parallel fsdp is refused
     shardable: bool
     #: its model's config records the target it was trained for: a resume checks that it is
     #: this run's target (`fit_problems`)
@@ -68,9 +69,6 @@ class Method(Protocol):
     def loss(self, trainer: Trainer, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
         """This process's share of the global batch's loss (records `indices` of the training set),
         and its metrics `loss` and `acc`."""
-
-    def shard(self, model: torch.nn.Module) -> None:
-        """FSDP2 in place (only where `shardable`)."""
 
 
 def sample_anchors(prompt_len: int, length: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
