@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from blockspec.decoding.batched import generate_batch
 from blockspec.targets.adapter import target_features
 from blockspec.targets.loading import load_target
+from blockspec.training.regenerate import generate_batch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=1)

@@ -1,6 +1,6 @@
 """Run by test_training_ddp.py, under torchrun or alone: a few training steps on a tiny target.
 
-    ddp_worker.py OUT_DIR TAG [--method dflash|draft-model] [--parallel ddp|fsdp]
+    ddp_worker.py OUT_DIR TAG [--method dflash|eagle3|mtp|draft-model] [--parallel ddp|fsdp]
                   [--max-steps N] [--resume]
 
 writes OUT_DIR/TAG-world{W}-rank{R}.safetensors: the full weights each rank ends with
@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_target  # noqa: E402
 
 from blockspec.training.config import TrainConfig  # noqa: E402
-from blockspec.training.draft_model import DraftModelTrainer  # noqa: E402
-from blockspec.training.trainer import DFlashTrainer, finish_distributed  # noqa: E402
+from blockspec.training.methods import METHODS  # noqa: E402
+from blockspec.training.trainer import Trainer, finish_distributed  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     config = TrainConfig(method=args.method, data="unused", output=os.path.join(args.out_dir, f"run-{args.tag}"),
                          num_layers=1, block_size=4, num_anchors=6, batch_size=4, epochs=2, max_steps=args.max_steps,
                          holdout=0, eval_every=0, save_every=1, lr=1e-3, parallel=args.parallel)
-    trainer = {"dflash": DFlashTrainer, "draft-model": DraftModelTrainer}[args.method](config, target, records)
+    trainer = Trainer(config, target, METHODS[args.method], records)
     trainer.run(resume=args.resume)
     model = trainer.full_model()  # collective under FSDP
     rank = int(os.environ.get("RANK", "0"))

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from blockspec.decoding.batched import generate_batch
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.cache import GrowingLayer, new_cache
 from blockspec.training.data import read_sources
+from blockspec.training.regenerate import generate_batch
 from conftest import ARCHITECTURES, assert_same_or_near_tie, hf_greedy, tiny_model
 
 PROMPTS = [[5, 9, 13], [7, 3, 22, 40, 41, 8, 2, 17, 30, 11, 12], [60], [21, 22, 23, 24, 25, 26]]

@@ -148,7 +148,8 @@ def test_cli_drafter_problems_are_one_clear_line(drafter_folders):
 def test_data_stores_features_that_training_reads_instead_of_running_the_target(target, tmp_path):
     from blockspec.training.config import TrainConfig
     from blockspec.training.data import DataConfig, build_dataset, load_records
-    from blockspec.training.trainer import DFlashTrainer
+    from blockspec.training.methods.dflash import DFlashMethod
+    from blockspec.training.trainer import Trainer
 
     layers = [1, 8, 15, 22, 27]
     config = DataConfig(output=str(tmp_path / "data"), prompts=["builtin:everyday_questions[:3]"], max_new_tokens=12,
@@ -160,12 +161,13 @@ def test_data_stores_features_that_training_reads_instead_of_running_the_target(
     assert len(records) == 3 and all(r["features_ref"][2] == tuple(layers) for r in records)
     with pytest.raises(blockspec.InvalidArgumentError, match="feature_layers"):
         build_dataset(target, DataConfig(output=str(tmp_path / "data"), prompts=config.prompts, max_new_tokens=12))
-    trainer = DFlashTrainer(TrainConfig(num_layers=1, target_layer_ids=layers, holdout=0), target, records)
-    stored = trainer._target_features(list(range(3)))
+    trainer = Trainer(TrainConfig(num_layers=1, target_layer_ids=layers, holdout=0), target, DFlashMethod(),
+                      records)
+    stored = trainer.features(list(range(3)))
     trainer._features.clear()
     for record in trainer.train_records:
         del record["features_ref"]
-    computed = trainer._target_features(list(range(3)))
+    computed = trainer.features(list(range(3)))
     for a, b in zip(stored, computed):
         assert a.shape[0] in (b.shape[0] - 1, b.shape[0])  # the last token was never fed back
         torch.testing.assert_close(a.float(), b[: a.shape[0]].float(), atol=0.15, rtol=2e-2)
@@ -202,7 +204,8 @@ def test_text_responses_train_by_self_distillation(target, tmp_path):
     learns the target's distribution over them (--distill-topk), features from the same target."""
     from blockspec.training.config import TrainConfig
     from blockspec.training.data import DataConfig, build_dataset
-    from blockspec.training.trainer import DFlashTrainer
+    from blockspec.training.methods.dflash import DFlashMethod
+    from blockspec.training.trainer import Trainer
 
     source = tmp_path / "pairs.jsonl"
     source.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}."}) + "\n"
@@ -216,7 +219,7 @@ def test_text_responses_train_by_self_distillation(target, tmp_path):
     config = TrainConfig(data=str(folder), output=str(tmp_path / "run"), num_layers=1, block_size=8, num_anchors=4,
                          batch_size=2, epochs=1, max_steps=2, holdout=1, eval_every=0, distill_topk=4,
                          draft_vocab_size=256)
-    trainer = DFlashTrainer(config, target)
+    trainer = Trainer(config, target, DFlashMethod())
     trainer.run()
     assert trainer.step == 2 and len(trainer._top) >= 2  # the target's distribution was read over the text
     questions_only = tmp_path / "questions.jsonl"

@@ -10,7 +10,9 @@ from blockspec.decoding.stats import GenerationStats
 from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.training.config import TrainConfig, load_config
-from blockspec.training.trainer import IGNORE, DFlashTrainer, build_blocks, loss_weights, sample_anchors
+from blockspec.training.methods import METHODS
+from blockspec.training.methods.dflash import DFlashMethod, build_blocks
+from blockspec.training.trainer import IGNORE, Trainer, loss_weights, sample_anchors
 from conftest import DATA_DIR, hf_greedy, tiny_target
 
 
@@ -60,7 +62,7 @@ def test_overfit_gate_a_drafter_trained_on_one_sequence_drafts_it_whole(tmp_path
     target = tiny_target("llama")
     record = one_record(target)
     config = small_config(tmp_path, epochs=300)
-    trainer = DFlashTrainer(config, target, records=[record])
+    trainer = Trainer(config, target, DFlashMethod(), records=[record])
     trainer.run()
     drafter = DFlashDrafter(trainer.model.eval(), target)
     stats = GenerationStats(8)
@@ -70,14 +72,18 @@ def test_overfit_gate_a_drafter_trained_on_one_sequence_drafts_it_whole(tmp_path
     assert stats.tau >= 7.0, stats.accept_hist
 
 
-def test_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("method", list(METHODS))
+def test_resume_is_bit_identical(tmp_path, method):
     target = tiny_target("llama")
     records = [one_record(target, 30), {"prompt_ids": [3, 4], "response_ids": list(range(10, 40))}]
-    straight = DFlashTrainer(small_config(tmp_path / "a", epochs=6, batch_size=1, holdout=0), target, records)
+    shape = dict(method=method, num_layers=2 if method == "draft-model" else 1)
+    straight = Trainer(small_config(tmp_path / "a", epochs=6, batch_size=1, holdout=0, **shape), target,
+                       METHODS[method], records)
     straight.run()
-    first = DFlashTrainer(small_config(tmp_path / "b", epochs=6, max_steps=5, save_every=5), target, records)
+    first = Trainer(small_config(tmp_path / "b", epochs=6, max_steps=5, save_every=5, **shape), target,
+                    METHODS[method], records)
     first.run()
-    resumed = DFlashTrainer(small_config(tmp_path / "b", epochs=6), target, records)
+    resumed = Trainer(small_config(tmp_path / "b", epochs=6, **shape), target, METHODS[method], records)
     resumed.run(resume=True)
     assert resumed.step == straight.step == 12
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
@@ -122,7 +128,7 @@ def test_prompts_from_the_shared_gsm8k_train_file():
 
 
 def test_random_mask_reveals_some_tokens_and_only_unlabels_them():
-    from blockspec.training.trainer import IGNORE, build_blocks, partially_unmask
+    from blockspec.training.methods.dflash import partially_unmask
 
     sequence = torch.arange(10, 60)
     anchors = [torch.tensor([3, 20, 35])]
@@ -142,11 +148,12 @@ def test_random_mask_reveals_some_tokens_and_only_unlabels_them():
 
 def test_mtp_overfit_gate_and_checkpoint_round_trip(tmp_path):
     from blockspec.drafters.mtp import MTPDrafter, MTPHeadModel
-    from blockspec.training.mtp import MTPTrainer
+    from blockspec.training.methods.mtp import MTPMethod
 
     target = tiny_target("llama")
     record = one_record(target)
-    trainer = MTPTrainer(small_config(tmp_path, epochs=300, method="mtp", lr=3e-3), target, records=[record])
+    trainer = Trainer(small_config(tmp_path, epochs=300, method="mtp", lr=3e-3), target, MTPMethod(),
+                      records=[record])
     trainer.run()
     loaded = MTPHeadModel.from_pretrained(tmp_path / "run" / "final")
     for (name, a), (_, b) in zip(trainer.model.state_dict().items(), loaded.state_dict().items()):
@@ -160,38 +167,37 @@ def test_mtp_overfit_gate_and_checkpoint_round_trip(tmp_path):
 
 
 def test_draft_model_overfit_gate_and_loading_as_model_folder(tmp_path):
-    from blockspec.training.draft_model import DraftModelTrainer
+    from blockspec.training.methods.draft_model import DraftLM, DraftModelMethod
 
     target = tiny_target("llama")
     record = one_record(target)
-    trainer = DraftModelTrainer(small_config(tmp_path, epochs=150, method="draft-model", num_layers=2, lr=3e-3),
-                                target, records=[record])
+    trainer = Trainer(small_config(tmp_path, epochs=150, method="draft-model", num_layers=2, lr=3e-3),
+                      target, DraftModelMethod(), records=[record])
     trainer.run()
-    drafter = trainer.make_drafter()
+    drafter = trainer.method.make_drafter(trainer.model, target)
     stats = GenerationStats(8)
     out = [t for c in SpecEngine(target, drafter, 8).generate(record["prompt_ids"], max_new_tokens=40,
                                                                stop_token_ids=(-1,), stats=stats) for t in c]
     assert out == record["response_ids"][:40]
     assert stats.tau >= 6.0, stats.accept_hist
     # the saved folder is an ordinary transformers model: `model:FOLDER` loads it as a drafter
-    from blockspec.training.draft_model import DraftLM
-
     reloaded = DraftLM.from_pretrained(tmp_path / "run" / "final")
     for (name, a), (_, b) in zip(trainer.model.lm.state_dict().items(), reloaded.lm.state_dict().items()):
         assert torch.equal(a, b), name
     with pytest.raises(InvalidArgumentError, match="draft_vocab_size"):
-        DraftModelTrainer(small_config(tmp_path / "x", method="draft-model", draft_vocab_size=10), target, [record])
+        Trainer(small_config(tmp_path / "x", method="draft-model", draft_vocab_size=10), target, DraftModelMethod(),
+                [record])
 
 
 def test_eagle3_overfit_gate_and_checkpoint_round_trip(tmp_path):
     from blockspec.drafters.eagle3 import Eagle3Drafter, Eagle3DraftModel
     from blockspec.drafters.registry import load_drafter
-    from blockspec.training.eagle3 import Eagle3Trainer
+    from blockspec.training.methods.eagle3 import Eagle3Method
 
     target = tiny_target("llama")
     record = one_record(target)
-    trainer = Eagle3Trainer(small_config(tmp_path, epochs=300, method="eagle3", lr=3e-3, draft_vocab_size=60),
-                            target, records=[record])
+    trainer = Trainer(small_config(tmp_path, epochs=300, method="eagle3", lr=3e-3, draft_vocab_size=60),
+                      target, Eagle3Method(), records=[record])
     trainer.run()
     loaded = Eagle3DraftModel.from_pretrained(tmp_path / "run" / "final")
     for (name, a), (_, b) in zip(trainer.model.state_dict().items(), loaded.state_dict().items()):
@@ -211,11 +217,12 @@ def test_eagle3_training_unroll_is_what_drafting_computes(tmp_path):
     import torch.nn.functional as F
 
     from blockspec.drafters.eagle3 import Eagle3Drafter
-    from blockspec.training.eagle3 import Eagle3Trainer
+    from blockspec.training.methods.eagle3 import Eagle3Method
 
     target = tiny_target("llama")
     record = one_record(target, 24)
-    trainer = Eagle3Trainer(small_config(tmp_path, method="eagle3", block_size=6, num_anchors=1), target, [record])
+    trainer = Trainer(small_config(tmp_path, method="eagle3", block_size=6, num_anchors=1), target, Eagle3Method(),
+                      [record])
     with torch.no_grad():
         for parameter in trainer.model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.2)
@@ -230,14 +237,14 @@ def test_eagle3_training_unroll_is_what_drafting_computes(tmp_path):
 
     F.linear = spy
     try:
-        trainer.compute_loss([0], epoch=0)
+        trainer.method.loss(trainer, [0], epoch=0)
     finally:
         F.linear = original
-    sequence, prompt_len = trainer._sequence(record)
+    sequence, prompt_len = trainer.sequence(0)
     generator = torch.Generator().manual_seed(trainer.config.seed * 1_000_003)
     anchor = int(sample_anchors(prompt_len, sequence.numel(), 1, generator)[0])
     drafter = Eagle3Drafter(trainer.model.eval(), target)
-    drafter.begin(sequence[:anchor], trainer._target_features([0])[0][:anchor].float())
+    drafter.begin(sequence[:anchor], trainer.features([0])[0][:anchor].float())
     drafted = []
 
     def true_tokens(step, logits):
@@ -258,11 +265,12 @@ def test_distillation_from_the_targets_top1_is_the_hard_label_loss(tmp_path):
     records = [one_record(target, 30), one_record(target, 20)]
     losses = {}
     for k in (0, 1, 5):
-        trainer = DFlashTrainer(small_config(tmp_path / str(k), batch_size=2, distill_topk=k), target, records)
-        losses[k] = float(trainer.compute_loss([0, 1], epoch=0)[0].detach())
+        trainer = Trainer(small_config(tmp_path / str(k), batch_size=2, distill_topk=k), target, DFlashMethod(),
+                          records)
+        losses[k] = float(trainer.method.loss(trainer, [0, 1], epoch=0)[0].detach())
         if k == 5:
             indices = [0, 1]
-            sequences = [trainer._sequence(trainer.train_records[i])[0] for i in indices]
+            sequences = [trainer.sequence(i)[0] for i in indices]
             positions = torch.stack([torch.arange(6, 26)] * 2)  # response tokens (the prompt is 6 long)
             labels = torch.stack([s[6:26] for s in sequences])
             ids, probs = trainer.soft_labels(indices, positions, labels)
@@ -272,13 +280,13 @@ def test_distillation_from_the_targets_top1_is_the_hard_label_loss(tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert losses[5] != pytest.approx(losses[0], rel=1e-3)
     with pytest.raises(InvalidArgumentError, match="distill_topk"):
-        DFlashTrainer(small_config(tmp_path / "bad", distill_topk=-1), target, records)
+        Trainer(small_config(tmp_path / "bad", distill_topk=-1), target, DFlashMethod(), records)
 
 
 def test_expected_length_weights_follow_the_drafters_own_accuracy(tmp_path):
     target = tiny_target("llama")
-    trainer = DFlashTrainer(small_config(tmp_path, loss_weighting="expected-length", epochs=3), target,
-                            [one_record(target)])
+    trainer = Trainer(small_config(tmp_path, loss_weighting="expected-length", epochs=3), target, DFlashMethod(),
+                      [one_record(target)])
     trainer.position_accuracy = torch.tensor([0.0, 0.9, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0])
     weights = trainer.position_weights()
     torch.testing.assert_close(weights[:5], torch.tensor([0.0, 1.0, 0.9, 0.45, 0.225]))
@@ -286,7 +294,7 @@ def test_expected_length_weights_follow_the_drafters_own_accuracy(tmp_path):
     assert not torch.equal(trainer.position_accuracy[1:], torch.tensor([0.9, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]))
     assert float(trainer.position_weights()[1]) == 1.0
     with pytest.raises(InvalidArgumentError, match="loss_weighting"):
-        DFlashTrainer(small_config(tmp_path, loss_weighting="dpace"), target, [one_record(target)])
+        Trainer(small_config(tmp_path, loss_weighting="dpace"), target, DFlashMethod(), [one_record(target)])
 
 
 def test_the_draft_vocabulary_takes_the_frequent_tokens_then_the_lowest_unseen_ids():
@@ -302,7 +310,8 @@ def test_the_draft_vocabulary_takes_the_frequent_tokens_then_the_lowest_unseen_i
 def test_distilling_runs_one_target_pass_per_new_batch_for_features_and_distributions(tmp_path):
     target = tiny_target("llama")
     records = [one_record(target, 20), {"prompt_ids": [3, 4], "response_ids": list(range(10, 30))}]
-    trainer = DFlashTrainer(small_config(tmp_path, distill_topk=4, batch_size=2, epochs=2), target, records)
+    trainer = Trainer(small_config(tmp_path, distill_topk=4, batch_size=2, epochs=2), target, DFlashMethod(),
+                      records)
     calls = []
     forward = target.model.forward
     target.model.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)

@@ -41,9 +41,12 @@ def assert_matches(weights: dict, reference: dict, what: str) -> None:
                                    msg=f"{name}: {what}")
 
 
-def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
-    one_process(tmp_path, "single")
-    two_processes(tmp_path, "ddp", "--parallel", "ddp")
+# dflash: DDP's wrapper reduces the gradients; eagle3 and mtp call their model several times
+# per step, and the trainer averages the gradients itself
+@pytest.mark.parametrize("method", ["dflash", "eagle3", "mtp"])
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path, method):
+    one_process(tmp_path, "single", "--method", method)
+    two_processes(tmp_path, "ddp", "--method", method, "--parallel", "ddp")
     single = load_file(tmp_path / "single-world1-rank0.safetensors")
     rank0 = load_file(tmp_path / "ddp-world2-rank0.safetensors")
     rank1 = load_file(tmp_path / "ddp-world2-rank1.safetensors")
@@ -84,9 +87,24 @@ def test_fsdp_trains_an_independent_draft_model(tmp_path):
 def test_unknown_parallel_mode_is_an_error(parallel):
     from blockspec.errors import InvalidArgumentError
     from blockspec.training.config import TrainConfig
-    from blockspec.training.trainer import DFlashTrainer
+    from blockspec.training.methods.dflash import DFlashMethod
+    from blockspec.training.trainer import Trainer
     from conftest import tiny_target
 
     records = [{"prompt_ids": [3, 4, 5], "response_ids": list(range(10, 30))}] * 3
     with pytest.raises(InvalidArgumentError, match="parallel must be ddp or fsdp"):
-        DFlashTrainer(TrainConfig(data="unused", parallel=parallel, block_size=4, holdout=0), tiny_target("llama"), records)
+        Trainer(TrainConfig(data="unused", parallel=parallel, block_size=4, holdout=0), tiny_target("llama"),
+                DFlashMethod(), records)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_fsdp_refuses_the_methods_it_cannot_shard(method):
+    from blockspec.errors import InvalidArgumentError
+    from blockspec.training.config import TrainConfig
+    from blockspec.training.methods import METHODS
+    from blockspec.training.trainer import check_config
+
+    config = TrainConfig(method=method, parallel="fsdp")
+    check_config(config, METHODS[method], world_size=1)  # one process ignores --parallel
+    with pytest.raises(InvalidArgumentError, match="--parallel ddp"):
+        check_config(config, METHODS[method], world_size=2)

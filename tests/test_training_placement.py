@@ -13,14 +13,15 @@ from blockspec.drafters.dflash import DFlashDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import TargetAdapter, compact_features
 from blockspec.targets.loading import check_device
-from blockspec.training.trainer import DFlashTrainer
+from blockspec.training.methods.dflash import DFlashMethod
+from blockspec.training.trainer import Trainer
 from conftest import tiny_model, tiny_target
 from test_training import one_record, small_config
 
 
 def test_every_parameter_and_buffer_of_the_drafter_sits_on_the_targets_device(tmp_path):
     target = tiny_target("llama")
-    trainer = DFlashTrainer(small_config(tmp_path, draft_vocab_size=48), target, [one_record(target)])
+    trainer = Trainer(small_config(tmp_path, draft_vocab_size=48), target, DFlashMethod(), [one_record(target)])
     head = [t for t in trainer._head if t is not None]
     places = {t.device for t in [*trainer.model.parameters(), *trainer.model.buffers(), *head]}
     assert places == {target.device}
@@ -34,7 +35,7 @@ def test_a_held_out_eval_leaves_the_training_model_as_it_was(tmp_path):
     target = TargetAdapter(model, tokenizer=None, name="tiny-llama-f64")
     config = small_config(tmp_path, epochs=2, eval_every=1, eval_prompts=1, eval_max_new_tokens=8, holdout=1)
     records = [one_record(target, 24), one_record(target, 20)]
-    trainer = DFlashTrainer(config, target, records)
+    trainer = Trainer(config, target, DFlashMethod(), records)
     before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
     trainer.model.train()
     tau = trainer.evaluate_tau()
@@ -59,7 +60,7 @@ def test_features_are_stored_in_16_bits_without_ever_overflowing():
 
 
 def test_regenerated_features_switch_to_bf16_when_fp16_would_overflow():
-    from blockspec.decoding.batched import generate_batch
+    from blockspec.training.regenerate import generate_batch
 
     model = tiny_model("llama")
     with torch.no_grad():  # blow up one decoder layer's output scale
@@ -93,19 +94,20 @@ def test_a_time_budget_stops_the_run_and_spans_the_schedule(tmp_path, clock):
     target = tiny_target("llama")
     config = small_config(tmp_path, epochs=10_000, time_budget_s=1.0, warmup_ratio=0.1, save_every=5,
                           time_budget_clock=clock)
-    trainer = DFlashTrainer(config, target, [one_record(target)])
+    trainer = Trainer(config, target, DFlashMethod(), [one_record(target)])
     trainer.run()
     assert 1.0 <= trainer.train_seconds < 5.0 and 3 < trainer.step < 10_000
     history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rates = [row["lr"] for row in history]
     assert max(rates) > rates[-1] and rates[-1] < 0.05 * config.lr  # cosine to ~0 at the budget's end
-    resumed = DFlashTrainer(config, target, [one_record(target)])
+    resumed = Trainer(config, target, DFlashMethod(), [one_record(target)])
     resumed.run(resume=True)  # the budget is spent: nothing more to train
     assert resumed.step == trainer.step
     with pytest.raises(InvalidArgumentError, match="time_budget_s"):
-        DFlashTrainer(small_config(tmp_path, time_budget_s=-1.0), target, [one_record(target)])
+        Trainer(small_config(tmp_path, time_budget_s=-1.0), target, DFlashMethod(), [one_record(target)])
     with pytest.raises(InvalidArgumentError, match="time_budget_clock"):
-        DFlashTrainer(small_config(tmp_path, time_budget_s=1.0, time_budget_clock="gpu"), target, [one_record(target)])
+        Trainer(small_config(tmp_path, time_budget_s=1.0, time_budget_clock="gpu"), target, DFlashMethod(),
+                [one_record(target)])
 
 
 def test_data_or_a_run_folder_of_another_target_is_refused(tmp_path):
@@ -119,11 +121,11 @@ def test_data_or_a_run_folder_of_another_target_is_refused(tmp_path):
     (data / "shard-00000.jsonl").write_text(json.dumps(one_record(target, 16)) + "\n")
     (data / "prompts.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(InvalidArgumentError, match="written by target"):
-        DFlashTrainer(small_config(tmp_path, data=str(data)), other)
+        Trainer(small_config(tmp_path, data=str(data)), other, DFlashMethod())
     with pytest.raises(InvalidArgumentError, match="written by target"):
         build_dataset(other, DataConfig(output=str(data), prompts=["unused"]))
     # a run folder trained for one target / shape cannot be resumed by another
     run = small_config(tmp_path, data=str(data), max_steps=2, save_every=1)
-    DFlashTrainer(run, target).run()
+    Trainer(run, target, DFlashMethod()).run()
     with pytest.raises(InvalidArgumentError, match="cannot resume"):
-        DFlashTrainer(small_config(tmp_path, data=str(data), num_layers=2), target).run(resume=True)
+        Trainer(small_config(tmp_path, data=str(data), num_layers=2), target, DFlashMethod()).run(resume=True)

@@ -361,16 +361,12 @@ def _data(args) -> int:
 def _train(args) -> int:
     from blockspec.targets.loading import check_device, load_target
     from blockspec.training.config import TrainConfig, load_config
-    from blockspec.training.draft_model import DraftModelTrainer
-    from blockspec.training.eagle3 import Eagle3Trainer
-    from blockspec.training.mtp import MTPTrainer
-    from blockspec.training.trainer import DFlashTrainer, finish_distributed
+    from blockspec.training.methods import METHODS
+    from blockspec.training.trainer import Trainer, finish_distributed
 
     config = load_config(TrainConfig, args.config, args.overrides)
-    trainers = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "draft-model": DraftModelTrainer,
-                "eagle3": Eagle3Trainer}
-    if config.method not in trainers:
-        raise BlockspecError(f"unknown training method {config.method!r}: one of {', '.join(trainers)}")
+    if config.method not in METHODS:
+        raise BlockspecError(f"unknown training method {config.method!r}: one of {', '.join(METHODS)}")
     if not config.data:
         raise BlockspecError("train needs --data FOLDER (built by `blockspec data`)")
     device = config.device
@@ -382,7 +378,7 @@ def _train(args) -> int:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     target = load_target(config.target, threads=config.threads, device=device or "cpu")
-    trainers[config.method](config, target).run(resume=args.resume)
+    Trainer(config, target, METHODS[config.method]).run(resume=args.resume)
     import torch.distributed as dist
 
     if dist.is_initialized():  # under torchrun: leave together, after rank 0 has written

@@ -1,1 +1,2 @@
-"""Training drafters: regenerated data (data.py), the DFlash recipe (trainer.py), typed configs (config.py)."""
+"""Training drafters: regenerated data (data.py, regenerate.py), the loop every method shares
+(trainer.py), one strategy per method (methods/), typed configs (config.py)."""

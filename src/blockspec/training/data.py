@@ -7,7 +7,7 @@ shipped with blockspec (`builtin:coding_tasks`, `builtin:everyday_questions`, wr
 by the project, no benchmark text), each optionally sliced as `SOURCE[start:stop]`;
 or they are self-synthesized: the instruct target writes user turns itself from its
 own chat template. Responses come from the lean batched decoder
-(`blockspec.decoding.batched`). Output: a folder of shards `shard-NNNNN.jsonl` (one
+(`blockspec.training.regenerate`). Output: a folder of shards `shard-NNNNN.jsonl` (one
 record per prompt: `prompt_ids`, `response_ids`) and, with `feature_layers`, the
 target's fp16 features of every record beside it (`shard-NNNNN.features.safetensors`,
 captured during generation, so training never runs the target again). Every file is
@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from blockspec.atomic import write_text, write_with
-from blockspec.decoding.batched import generate_batch
 from blockspec.errors import InvalidArgumentError
+from blockspec.training.regenerate import generate_batch
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
 RESPONSE_FIELDS = ("answer", "response", "completion", "output", "solution")

@@ -1,12 +1,16 @@
-"""The DFlash training recipe (reference section 3), on one CPU or under torchrun (DDP or FSDP).
+"""The training loop every drafting method shares, on one CPU, one GPU or under torchrun
+(DDP or FSDP).
 
-Per step, per sequence: sample up to `num_anchors` anchors among the response
-tokens (seeded per sample, so runs reproduce whatever the process count). Each
-anchor a gives a block [x_a, MASK x (B-1)] at positions a..a+B-1 whose labels are
-x[a+k], k = 1..B-1, weighted exp(-(k-1)/gamma). All blocks of a sequence train in
-ONE pass: a block sees the target features of positions strictly before its
-anchor, itself bidirectionally, and no other block. Only the drafter trains; the
-target's embedding and LM head are borrowed frozen.
+`Trainer(config, target, method)` owns what does not depend on the method: the records
+(split into training and held-out ones), the global batch of each step (a pure function
+of seed and step, so a run resumes bit-identically), the target's features and
+distributions of each record (read where `blockspec data` stored them, else computed
+once), AdamW with warmup and cosine over the epochs or a time budget, held-out tau
+through the engine, checkpoints swapped in atomically, DDP / FSDP and the metrics log.
+
+A method is ONE strategy object in `training/methods/` (the `Method` protocol below): it
+builds the model, computes the loss of a batch, and says as data what it supports. Only
+the drafter trains: the target is frozen.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,31 +33,42 @@ from tqdm import tqdm
 from blockspec.atomic import replace_dir, write_text
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.stats import GenerationStats
+from blockspec.drafters.base import Drafter
 from blockspec.drafters.checkpoint import fit_problems
-from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import compact_features, target_features
 from blockspec.training.config import TrainConfig
 from blockspec.training.data import check_data_target, load_records
 
 IGNORE = -100
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def choose_mask_token(target) -> int:
-    """An id inside the target's vocabulary that text never uses: the tokenizer's mask
-    token, else its last special token that is not BOS/EOS/PAD/UNK or in the chat template."""
-    tokenizer = target.tokenizer
-    if tokenizer is None:
-        return target.vocab_size - 1
-    if getattr(tokenizer, "mask_token_id", None) is not None:
-        return int(tokenizer.mask_token_id)
-    busy = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
-    busy |= set(target.eos_token_ids)
-    template = getattr(tokenizer, "chat_template", None) or ""
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    candidates = [i for i, tok in decoder.items()
-                  if i not in busy and str(tok) not in template and i < target.vocab_size]
-    return max(candidates) if candidates else target.vocab_size - 1
+class Method(Protocol):
+    """What a drafting method gives the trainer: one object, one file in `training/methods/`."""
+
+    name: str  # its --method value
+    #: it drafts through the target's frozen LM head (`model.head`): a reduced draft vocabulary applies
+    borrows_target_head: bool
+    #: it calls its model once per step, so DDP wraps the model; else the trainer averages the
+    #: gradients over processes itself
+    ddp_wrapper: bool
+    #: FSDP can shard its model: the method then has `shard(model)`, FSDP2 in place; else
+    #: --parallel fsdp is refused
+    shardable: bool
+    #: its model's config records the target it was trained for: a resume checks that it is
+    #: this run's target (`fit_problems`)
+    records_target: bool
+
+    def build_model(self, config: TrainConfig, target) -> torch.nn.Module:
+        """A fresh fp32 model for `target`, with `from_pretrained(folder)` and `write_files(folder)`."""
+
+    def make_drafter(self, model: torch.nn.Module, target) -> Drafter:
+        """The drafter that serves `model` (the held-out evaluation drafts with it)."""
+
+    def loss(self, trainer: Trainer, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
+        """This process's share of the global batch's loss (records `indices` of the training set),
+        and its metrics `loss` and `acc`."""
 
 
 def sample_anchors(prompt_len: int, length: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -64,91 +80,12 @@ def sample_anchors(prompt_len: int, length: int, num_anchors: int, generator: to
     return candidates[pick].sort().values
 
 
-def build_blocks(sequences: list[torch.Tensor], anchors: list[torch.Tensor], block_size: int, mask_token_id: int,
-                 context_len: int):
-    """Block inputs, positions, labels and the block-sparse attention mask for a batch.
-
-    Returns block_ids, positions, labels [b, A*B] and a bool mask [b, 1, A*B, context_len + A*B]
-    (True = may attend). Missing anchors are padding: no labels, and they see only themselves.
-    """
-    batch = len(sequences)
-    num_blocks = max(1, max(a.numel() for a in anchors))
-    width = num_blocks * block_size
-    block_ids = torch.full((batch, width), mask_token_id, dtype=torch.long)
-    positions = torch.zeros(batch, width, dtype=torch.long)
-    labels = torch.full((batch, width), IGNORE, dtype=torch.long)
-    mask = torch.zeros(batch, 1, width, context_len + width, dtype=torch.bool)
-    offsets = torch.arange(block_size)
-    block_of = torch.arange(width) // block_size
-    same_block = block_of[:, None] == block_of[None, :]
-    mask[:, 0, :, context_len:] = same_block
-    for row, (sequence, row_anchors) in enumerate(zip(sequences, anchors)):
-        for index, anchor in enumerate(row_anchors.tolist()):
-            span = slice(index * block_size, (index + 1) * block_size)
-            block_ids[row, index * block_size] = sequence[anchor]
-            positions[row, span] = anchor + offsets
-            targets = anchor + offsets[1:]
-            valid = targets < sequence.numel()
-            labels[row, index * block_size + 1:(index + 1) * block_size] = torch.where(
-                valid, sequence[targets.clamp(max=sequence.numel() - 1)], IGNORE)
-            mask[row, 0, span, :anchor] = True  # context strictly before the anchor
-    return block_ids, positions, labels, mask
-
-
-def partially_unmask(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int,
-                     generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For diffusion-mode training: in each block draw a mask ratio r ~ U(0, 1] and reveal
-    each draft position with probability 1 - r (always leaving one masked). Revealed
-    positions get their true token as input and no label. Rows of padding are untouched."""
-    block_ids, labels = block_ids.clone(), labels.clone()
-    batch, width = labels.shape
-    num_blocks = width // block_size
-    for row, generator in zip(range(batch), generators):
-        ratio = 1.0 - torch.rand(num_blocks, 1, generator=generator)  # (0, 1]
-        draws = torch.rand(num_blocks, block_size - 1, generator=generator)
-        keep_masked = draws < ratio
-        keep_masked[torch.arange(num_blocks), draws.argmin(dim=1)] = True
-        reveal = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-        reveal[:, 1:] = ~keep_masked
-        reveal = reveal.view(-1) & (labels[row] != IGNORE)
-        block_ids[row, reveal] = labels[row, reveal]
-        labels[row, reveal] = IGNORE
-    return block_ids, labels
-
-
-@torch.no_grad()
-def init_from_target_layers(model: DFlashDraftModel, target) -> bool:
-    """Copy the target's top decoder layers (and final norm) into the draft layers.
-
-    Draft layer i starts as target layer L - n + i. `fc` starts by selecting the
-    features of the highest target layer id and `hidden_norm` as the next layer's
-    input norm, so that when that id is L - n - 1 the first draft layer sees exactly
-    the context K/V the target's own layer would. Weights whose shapes differ (or
-    that the target lacks, like q_norm / k_norm in Llama) keep their fresh init.
-    Returns False when the target's layers are not of the expected Llama-like shape.
-    """
-    layers = getattr(getattr(target.model, "model", None), "layers", None)
-    # Only where the layer layout matches ours (pre-norm, RMSNorm weights used as is).
-    if target.config.model_type not in ("llama", "mistral", "qwen2", "qwen3") or layers is None \
-            or len(layers) < len(model.layers):
-        return False
-    first = len(layers) - len(model.layers)
-    for index, draft_layer in enumerate(model.layers):
-        source = layers[first + index].state_dict()
-        own = draft_layer.state_dict()
-        own.update({name: tensor for name, tensor in source.items() if name in own and own[name].shape == tensor.shape})
-        draft_layer.load_state_dict(own)
-    final_norm = getattr(target.model.model, "norm", None)
-    if final_norm is not None and final_norm.weight.shape == model.norm.weight.shape:
-        model.norm.weight.copy_(final_norm.weight)
-    hidden = model.config.hidden_size
-    last = max(range(len(model.config.target_layer_ids)), key=lambda i: model.config.target_layer_ids[i])
-    model.fc.weight.zero_()
-    model.fc.weight[:, last * hidden:(last + 1) * hidden] = torch.eye(hidden)
-    next_norm = layers[min(model.config.target_layer_ids[last] + 1, len(layers) - 1)].input_layernorm.weight
-    if next_norm.shape == model.hidden_norm.weight.shape:
-        model.hidden_norm.weight.copy_(next_norm)
-    return True
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Weight of each block position: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
 
 
 def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -166,20 +103,39 @@ def draft_vocabulary(records: list[dict], size: int, vocab_size: int) -> torch.T
     return order[: min(size, vocab_size)].sort().values
 
 
-def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """Weight of each block position: 0 for the anchor, exp(-(k-1)/gamma) for k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    weights = torch.exp(-(k - 1) / gamma)
-    weights[0] = 0.0
-    return weights
+def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
+    """Refuse what this run cannot train, before anything loads."""
+    if config.method != method.name:
+        raise InvalidArgumentError(f"the config trains --method {config.method}, the trainer got {method.name}")
+    if config.block_size < 2:
+        raise InvalidArgumentError("block_size must be >= 2 to train a drafter")
+    if config.draft_vocab_size and not method.borrows_target_head:
+        raise InvalidArgumentError(f"draft_vocab_size does not apply to --method {config.method}")
+    if config.parallel not in ("ddp", "fsdp"):
+        raise InvalidArgumentError(f"parallel must be ddp or fsdp, got {config.parallel!r}")
+    if config.parallel == "fsdp" and world_size > 1 and not method.shardable:
+        raise InvalidArgumentError(f"--parallel fsdp does not shard --method {method.name}: train it with "
+                                   "--parallel ddp")
+    if config.batch_size % world_size:
+        raise InvalidArgumentError(f"batch_size {config.batch_size} is not divisible by {world_size} processes")
+    if config.time_budget_s is not None and not config.time_budget_s > 0:
+        raise InvalidArgumentError(f"time_budget_s must be > 0, got {config.time_budget_s}")
+    if config.time_budget_clock not in CLOCKS:
+        raise InvalidArgumentError(f"time_budget_clock must be wall or cpu, got {config.time_budget_clock!r}")
+    if config.loss_weighting not in ("decay", "expected-length"):
+        raise InvalidArgumentError(f"loss_weighting must be decay or expected-length, got {config.loss_weighting!r}")
+    if config.distill_topk < 0:
+        raise InvalidArgumentError(f"distill_topk must be >= 0, got {config.distill_topk}")
 
 
-class DFlashTrainer:
-    def __init__(self, config: TrainConfig, target, records: list[dict] | None = None):
-        if config.block_size < 2:
-            raise InvalidArgumentError("block_size must be >= 2 to train a drafter")
-        self.config = config
-        self.target = target
+class Trainer:
+    """Trains `method`'s drafter for `target` on the records of `config.data` (or `records`)."""
+
+    def __init__(self, config: TrainConfig, target, method: Method, records: list[dict] | None = None):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        check_config(config, method, self.world_size)
+        self.config, self.target, self.method = config, target, method
         for parameter in target.model.parameters():
             parameter.requires_grad_(False)  # frozen: only the drafter trains
         if records is None:
@@ -194,31 +150,24 @@ class DFlashTrainer:
         if not self.train_records:
             raise InvalidArgumentError("no training records")
         torch.manual_seed(config.seed)
-        self.model = self.build_model()
+        self.model = method.build_model(config, target)
         if config.init_from:
             self._warm_start(config.init_from)
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
-        self._head = None
-        if not hasattr(self.model, "head"):  # a model with its own head (an independent draft LM)
-            if config.draft_vocab_size:
-                raise InvalidArgumentError(f"draft_vocab_size does not apply to --method {config.method}")
-        elif config.draft_vocab_size:
+        if config.draft_vocab_size:
             self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
         # every module and buffer on the target's device; the weights stay fp32 (master
-        # weights), a CUDA step computes under bf16 autocast (`compute_loss`)
+        # weights), a CUDA step computes under bf16 autocast (`train_step`)
         self.model.to(target.device)
-        if hasattr(self.model, "head"):
+        self._head = None
+        if method.borrows_target_head:
             self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
             if config.draft_vocab_size or self.model.head_always_stored:
                 self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        if config.parallel not in ("ddp", "fsdp"):
-            raise InvalidArgumentError(f"parallel must be ddp or fsdp, got {config.parallel!r}")
-        self.ddp_model = self.model
+        self.ddp_model = self.model  # what a step calls: the model, or DDP's wrapper around it
         # FSDP only: an unsharded copy of the model that rank 0 fills from the shards to
         # evaluate and save (the drafter is small; its training state is what is sharded)
         self.replica = None
@@ -229,22 +178,15 @@ class DFlashTrainer:
                 dist.init_process_group("gloo" if target.device.type == "cpu" else "nccl")
             if config.parallel == "fsdp":
                 self.replica = copy.deepcopy(self.model)
-                self.shard(self.model)
-            elif self.uses_ddp_wrapper:
+                method.shard(self.model)
+            elif method.ddp_wrapper:
                 self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        if config.batch_size % self.world_size:
-            raise InvalidArgumentError(f"batch_size {config.batch_size} is not divisible by {self.world_size} processes")
         # drop_last: every step sees a full global batch, so any process count splits it evenly
         self.steps_per_epoch = max(1, len(self.train_records) // config.batch_size)
         self.total_steps = self.steps_per_epoch * config.epochs
         warmup = max(1, int(config.warmup_ratio * self.total_steps))
-        if config.time_budget_s is not None and not config.time_budget_s > 0:
-            raise InvalidArgumentError(f"time_budget_s must be > 0, got {config.time_budget_s}")
-        clocks = {"wall": time.perf_counter, "cpu": time.process_time}
-        if config.time_budget_clock not in clocks:
-            raise InvalidArgumentError(f"time_budget_clock must be wall or cpu, got {config.time_budget_clock!r}")
-        self.clock = clocks[config.time_budget_clock]
+        self.clock = CLOCKS[config.time_budget_clock]
         self.train_seconds = 0.0  # time spent in training steps so far (kept across resumes)
 
         def schedule(step: int) -> float:
@@ -261,106 +203,13 @@ class DFlashTrainer:
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.weights = loss_weights(config.block_size, config.resolved_gamma())
-        if config.loss_weighting not in ("decay", "expected-length"):
-            raise InvalidArgumentError(f"loss_weighting must be decay or expected-length, got {config.loss_weighting!r}")
         # running top-1 accuracy per block position (index 0, the anchor, unused): the
         # expected-length weights come from it; kept in the trainer state for exact resume
         self.position_accuracy = torch.full((config.block_size,), 0.5)
         self.step = 0
         self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
         self._top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # record index -> target top-k (ids, probs)
-        if config.distill_topk < 0:
-            raise InvalidArgumentError(f"distill_topk must be >= 0, got {config.distill_topk}")
         self.output = Path(config.output)
-
-    # --- what a drafting method defines (DFlash here; subclasses for the others) ----------
-    #: False: the method calls its model several times per step, so gradients are averaged
-    #: by hand (`reduce_gradients`) instead of by a DDP wrapper
-    uses_ddp_wrapper = True
-
-    def build_model(self):
-        config, target = self.config, self.target
-        mask_token_id = config.mask_token_id if config.mask_token_id is not None else choose_mask_token(target)
-        drafter_config = DFlashConfig.for_target(
-            target, num_layers=config.num_layers, block_size=config.block_size, mask_token_id=mask_token_id,
-            target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
-        drafter_config.draft_vocab_size = config.draft_vocab_size
-        model = DFlashDraftModel(drafter_config)
-        if config.init_from_target:
-            init_from_target_layers(model, target)
-        return model
-
-    def make_drafter(self, model=None):
-        return DFlashDrafter(model or self.model, self.target)
-
-    def shard(self, model) -> None:
-        """FSDP2 in place: each draft layer is one unit, the rest (fc, norms) the root's."""
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        for layer in model.layers:
-            fully_shard(layer)
-            # the context K/V are computed outside forward: gather the layer's weights for it too
-            register_fsdp_forward_method(layer, "context_key_value")
-        fully_shard(model)
-        register_fsdp_forward_method(model, "context_key_values")
-
-    def full_model(self):
-        """The model with all its weights: the model itself, or under FSDP the replica filled
-        from the shards (collective: every rank calls it; only rank 0's replica is filled)."""
-        if self.replica is None:
-            return self.model
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            self.replica.load_state_dict(state)
-        return self.replica
-
-    def reduce_gradients(self) -> None:
-        # FSDP reduce-scatters the gradients itself, DDP all-reduces them in its hooks
-        if self.world_size > 1 and not self.uses_ddp_wrapper and self.replica is None:
-            import torch.distributed as dist
-
-            for parameter in self.model.parameters():
-                if not parameter.requires_grad:
-                    continue
-                if parameter.grad is None:  # every rank must reduce the same tensors
-                    parameter.grad = torch.zeros_like(parameter)
-                dist.all_reduce(parameter.grad)
-                parameter.grad /= self.world_size
-
-    # --- what the losses share ----------------------------------------------------------
-    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Target ids -> draft-vocabulary indices (-1: outside it, no label; IGNORE stays)."""
-        t2d = self.t2d.to(labels.device)
-        return torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
-
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the borrowed (frozen) head, which keeps the target's dtype."""
-        return F.linear(hidden.to(self._head[0].dtype), *self._head).float()
-
-    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` (detached) summed over every process: the loss normaliser with which N
-        processes together compute exactly one process's loss over the whole batch."""
-        value = value.detach().clone()
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(value)
-        return value
-
-    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weight: float):
-        """For the drafters that draft token by token (one step of MTP / EAGLE-3): weight x the
-        summed cross-entropy of the borrowed head on norm(hidden) [n, H] against draft-vocabulary
-        `labels` [n] (rows without a label skipped). Returns (loss sum, weight sum, correct, counted)."""
-        valid = labels >= 0
-        if not bool(valid.any()):
-            return 0.0, 0.0, 0, 0
-        logits = self.head_logits(self.model.norm(hidden[valid]))
-        loss = weight * F.cross_entropy(logits, labels[valid], reduction="sum")
-        with torch.no_grad():
-            correct = int((logits.argmax(-1) == labels[valid]).sum())
-        return loss, weight * valid.sum(), correct, int(valid.sum())
 
     def _warm_start(self, folder: str) -> None:
         try:
@@ -375,21 +224,76 @@ class DFlashTrainer:
         state = {k: v for k, v in source.state_dict().items() if k != "d2t"}  # the vocabulary is this run's
         self.model.load_state_dict(state, strict=False)
 
+    # --- processes -------------------------------------------------------------------
+    def full_model(self):
+        """The model with all its weights: the model itself, or under FSDP the replica filled
+        from the shards (collective: every rank calls it; only rank 0's replica is filled)."""
+        if self.replica is None:
+            return self.model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.replica.load_state_dict(state)
+        return self.replica
+
+    def reduce_gradients(self) -> None:
+        # FSDP reduce-scatters the gradients itself, DDP all-reduces them in its hooks
+        if self.world_size > 1 and not self.method.ddp_wrapper and self.replica is None:
+            import torch.distributed as dist
+
+            for parameter in self.model.parameters():
+                if not parameter.requires_grad:
+                    continue
+                if parameter.grad is None:  # every rank must reduce the same tensors
+                    parameter.grad = torch.zeros_like(parameter)
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= self.world_size
+
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (detached) summed over every process: the loss normaliser with which N
+        processes together compute exactly one process's loss over the whole batch."""
+        value = value.detach().clone()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(value)
+        return value
+
     # --- data ----------------------------------------------------------------------
-    def _sequence(self, record: dict) -> tuple[torch.Tensor, int]:
+    def sequence(self, index: int) -> tuple[torch.Tensor, int]:
+        """Training record `index` as one id sequence (cut at `max_length`) and its prompt length."""
+        record = self.train_records[index]
         ids = (record["prompt_ids"] + record["response_ids"])[: self.config.max_length]
         return torch.tensor(ids, dtype=torch.long), min(len(record["prompt_ids"]), len(ids))
 
+    def anchors(self, index: int, epoch: int) -> torch.Tensor:
+        """The anchors of training record `index` in `epoch`, seeded per record: a run draws
+        the same ones whatever its process count."""
+        sequence, prompt_len = self.sequence(index)
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch * 100_003 + index)
+        return sample_anchors(prompt_len, sequence.numel(), self.config.num_anchors, generator)
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The global batch of `step` (a pure function of seed and step: resumable)."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(len(self.train_records), generator=torch.Generator().manual_seed(self.config.seed + epoch))
+        size = self.config.batch_size
+        return order[position * size:(position + 1) * size].tolist()
+
     def _padded(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The records' sequences, and as a right-padded batch (ids, attention mask) on the target's device."""
-        sequences = [self._sequence(self.train_records[i])[0] for i in indices]
+        sequences = [self.sequence(i)[0] for i in indices]
         width = max(s.numel() for s in sequences)
         ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
         attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
         return sequences, ids.to(self.target.device), attention.to(self.target.device)
 
     @torch.inference_mode()
-    def _target_features(self, indices: list[int]) -> list[torch.Tensor]:
+    def features(self, indices: list[int]) -> list[torch.Tensor]:
+        """Per training record: the target's features of the drafter's layers, [n, layers * hidden]
+        on the host, 16-bit (read where `blockspec data` stored them, else computed), kept for
+        the next epochs."""
         layer_ids = tuple(self.model.config.target_layer_ids)
         missing = [i for i in indices if i not in self._features]
         # captured by `blockspec data` while it generated, for these layers or more
@@ -398,7 +302,7 @@ class DFlashTrainer:
         for index in stored:
             path, key, stored_ids = self.train_records[index]["features_ref"]
             with safe_open(path, framework="pt") as handle:
-                length = self._sequence(self.train_records[index])[0].numel()
+                length = self.sequence(index)[0].numel()
                 everything = handle.get_tensor(key)[:length]
             width = everything.shape[-1] // len(stored_ids)
             if not bool(torch.isfinite(everything).all()):
@@ -439,6 +343,7 @@ class DFlashTrainer:
             self._keep_top(missing, sequences, self.target.model(input_ids=ids, attention_mask=attention).logits)
         return [self._top[i] for i in indices]
 
+    # --- what the losses share -------------------------------------------------------
     def soft_labels(self, indices: list[int], positions: torch.Tensor, labels: torch.Tensor):
         """The target's distributions for the labels at `positions` [b, w] (label = token AT
         the position): draft-vocabulary ids [b, w, k] (-1 outside it) and weights [b, w, k]
@@ -455,59 +360,27 @@ class DFlashTrainer:
         probs = torch.where((ids >= 0) & (labels != IGNORE)[..., None], probs, 0.0)
         return ids, probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
 
-    def batch_indices(self, step: int) -> list[int]:
-        """The global batch of `step` (a pure function of seed and step: resumable)."""
-        epoch, position = divmod(step, self.steps_per_epoch)
-        order = torch.randperm(len(self.train_records), generator=torch.Generator().manual_seed(self.config.seed + epoch))
-        size = self.config.batch_size
-        return order[position * size:(position + 1) * size].tolist()
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft-vocabulary indices (-1: outside it, no label; IGNORE stays)."""
+        t2d = self.t2d.to(labels.device)
+        return torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
 
-    # --- one step ------------------------------------------------------------------
-    def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
-        config = self.config
-        sequences, prompt_lens = zip(*(self._sequence(self.train_records[i]) for i in indices))
-        anchors = []
-        for index, sequence, prompt_len in zip(indices, sequences, prompt_lens):
-            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 100_003 + index)
-            anchors.append(sample_anchors(prompt_len, sequence.numel(), config.num_anchors, generator))
-        features = self._target_features(list(indices))
-        context_len = max(s.numel() for s in sequences)
-        dtype = next(self.model.parameters()).dtype
-        context = torch.stack([F.pad(f.to(dtype), (0, 0, 0, context_len - f.shape[0])) for f in features])
-        block_ids, positions, labels, mask = build_blocks(list(sequences), anchors, config.block_size,
-                                                          self.model.config.mask_token_id, context_len)
-        if config.random_mask:
-            generators = [torch.Generator().manual_seed(config.seed * 1_000_033 + epoch * 100_019 + index)
-                          for index in indices]
-            block_ids, labels = partially_unmask(block_ids, labels, config.block_size, generators)
-        device = self.target.device
-        # self.model is the module DDP wraps: the context projection runs outside DDP's
-        # forward, its gradients are still reduced by DDP's per-parameter hooks
-        positions_all = torch.arange(context_len, device=device).expand(len(indices), -1)
-        kv = self.model.context_key_values(context.to(device), positions_all)
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the borrowed (frozen) head, which keeps the target's dtype."""
+        return F.linear(hidden.to(self._head[0].dtype), *self._head).float()
+
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weight: float):
+        """For the drafters that draft token by token (one step of MTP / EAGLE-3): weight x the
+        summed cross-entropy of the borrowed head on norm(hidden) [n, H] against draft-vocabulary
+        `labels` [n] (rows without a label skipped). Returns (loss sum, weight sum, correct, counted)."""
+        valid = labels >= 0
+        if not bool(valid.any()):
+            return 0.0, 0.0, 0, 0
+        logits = self.head_logits(self.model.norm(hidden[valid]))
+        loss = weight * F.cross_entropy(logits, labels[valid], reduction="sum")
         with torch.no_grad():
-            embeds = self.target.embed(block_ids.to(device)).to(dtype)  # the target may run in another dtype
-        hidden = self.ddp_model(embeds, positions.to(device), kv, mask.to(device))
-        weights = self.position_weights().repeat(block_ids.shape[1] // config.block_size).expand_as(labels)
-        labels = self.draft_labels(labels)
-        valid = labels >= 0  # has a label, inside the draft vocabulary
-        logits = self.head_logits(hidden[valid])  # only rows with a label
-        targets = labels[valid].to(device)
-        if config.distill_topk:  # cross-entropy against the target's (top-k) distribution
-            soft_ids, soft_probs = self.soft_labels(list(indices), positions, labels)
-            log_probs = F.log_softmax(logits, dim=-1)
-            picked = log_probs.gather(1, soft_ids[valid].clamp_min(0).to(device))
-            per_token = -(soft_probs[valid].to(device) * picked).sum(-1)
-        else:
-            per_token = F.cross_entropy(logits, targets, reduction="none")
-        w = weights[valid].to(device)
-        weight_sum = self.global_sum(w.sum())
-        loss = (per_token * w).sum() / weight_sum.clamp_min(1e-8)
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == targets).float()
-            block_position = (torch.arange(labels.shape[1]) % config.block_size).expand_as(labels)[valid.cpu()]
-            self.observe_accuracy(block_position, correct.cpu())
-        return loss, {"loss": float(loss.detach()), "acc": float(correct.mean()) if correct.numel() else 0.0}
+            correct = int((logits.argmax(-1) == labels[valid]).sum())
+        return loss, weight * valid.sum(), correct, int(valid.sum())
 
     def position_weights(self) -> torch.Tensor:
         """Loss weight per block position (0 for the anchor)."""
@@ -529,6 +402,7 @@ class DFlashTrainer:
         rate = counts[0][seen] / counts[1][seen]
         self.position_accuracy[seen] = momentum * self.position_accuracy[seen] + (1 - momentum) * rate
 
+    # --- one step ------------------------------------------------------------------
     def out_of_time(self) -> bool:
         return bool(self.config.time_budget_s) and self.train_seconds >= self.config.time_budget_s
 
@@ -542,7 +416,7 @@ class DFlashTrainer:
         # bf16 autocast on a GPU (fp32 master weights, fp32 loss); a CPU step stays fp32:
         # this CPU has no bf16 compute
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.target.device.type == "cuda"):
-            loss, metrics = self.compute_loss(indices, epoch)
+            loss, metrics = self.method.loss(self, indices, epoch)
         self.optimizer.zero_grad(set_to_none=True)
         # DDP AVERAGES gradients over ranks while each rank's loss is already its share
         # of the global loss: scale back up by the world size.
@@ -583,7 +457,7 @@ class DFlashTrainer:
     def _evaluate_tau(self, model) -> float:
         # the drafter binds an eval-mode copy (bind_to_target): the model under the optimizer
         # keeps its mode, device and dtype
-        engine = SpecEngine(self.target, self.make_drafter(model), self.config.block_size)
+        engine = SpecEngine(self.target, self.method.make_drafter(model, self.target), self.config.block_size)
         committed = steps = 0
         for record in self.eval_records[: self.config.eval_prompts]:
             stats = GenerationStats(self.config.block_size)
@@ -621,7 +495,7 @@ class DFlashTrainer:
             return False
         restored = type(self.model).from_pretrained(folder)
         # a run folder of another target (or of another drafter shape) is refused, not overwritten
-        problems = fit_problems(restored.config, self.target)
+        problems = fit_problems(restored.config, self.target) if self.method.records_target else []
         mine = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
         theirs = {n: tuple(t.shape) for n, t in restored.state_dict().items()}
         if mine != theirs:

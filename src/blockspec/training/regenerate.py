@@ -8,11 +8,11 @@ dropped, so the remaining rows stop paying for it. The LM head runs on the last
 position only. At T=0 every row equals plain greedy decoding of its prompt alone,
 up to the float rounding that padding can move (the near-tie rule of the tests).
 
-With `feature_layers`, the hidden states of those layers (layer id i = output of
-decoder layer i, i.e. hidden_states[i + 1], the drafters' convention) are kept for
-every prompt and response token the target ran, in fp16: training then reads them
-instead of running the target again. The last response token is never fed back,
-so its row is absent (no drafter context ever needs it).
+With `feature_layers`, the target's features of those layers (`target_features`, the
+drafters' one rule for which hidden state a layer id names) are kept for every prompt
+and response token the target ran, in fp16: training then reads them instead of
+running the target again. The last response token is never fed back, so its row is
+absent (no drafter context ever needs it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`blockspec train --method eagle3`: the EAGLE-3-style layer trained with the training-
-time test on the target's regenerated data; data, schedule, checkpoints, resume, held-out
-tau and DDP come from the DFlash trainer.
+time test on the target's regenerated data (data, schedule, checkpoints, resume, held-out
+tau and DDP are the trainer's).
 
 Per sequence, step 1 runs every position j at once (causal, on the target's fused
 features, paired with the next token x[j+1]); then, for `num_anchors` random response
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.drafters.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Drafter
-from blockspec.errors import InvalidArgumentError
-from blockspec.training.trainer import IGNORE, DFlashTrainer, sample_anchors
+from blockspec.training.config import TrainConfig
+from blockspec.training.trainer import IGNORE, Trainer
 
 
 @torch.no_grad()
@@ -53,51 +53,50 @@ def init_eagle3_from_target(model: Eagle3DraftModel, target) -> bool:
     return True
 
 
-class Eagle3Trainer(DFlashTrainer):
-    uses_ddp_wrapper = False  # the layer runs K times per step: gradients are averaged by hand
+class Eagle3Method:
+    name = "eagle3"
+    borrows_target_head = True
+    ddp_wrapper = False  # the layer runs K times per step: the trainer averages its gradients
+    shardable = False  # one layer: nothing to gain from sharding it
+    records_target = True
 
-    def build_model(self):
-        config = Eagle3Config.for_target(self.target, block_size=self.config.block_size,
-                                         target_layer_ids=self.config.target_layer_ids,
-                                         intermediate_size=self.config.intermediate_size)
-        config.draft_vocab_size = self.config.draft_vocab_size
-        model = Eagle3DraftModel(config)
-        if self.config.init_from_target:
-            init_eagle3_from_target(model, self.target)
+    def build_model(self, config: TrainConfig, target) -> Eagle3DraftModel:
+        drafter_config = Eagle3Config.for_target(target, block_size=config.block_size,
+                                                 target_layer_ids=config.target_layer_ids,
+                                                 intermediate_size=config.intermediate_size)
+        drafter_config.draft_vocab_size = config.draft_vocab_size
+        model = Eagle3DraftModel(drafter_config)
+        if config.init_from_target:
+            init_eagle3_from_target(model, target)
         return model
 
-    def make_drafter(self, model=None):
-        return Eagle3Drafter(model or self.model, self.target)
+    def make_drafter(self, model: Eagle3DraftModel, target) -> Eagle3Drafter:
+        return Eagle3Drafter(model, target)
 
-    def shard(self, model) -> None:
-        raise InvalidArgumentError("--parallel fsdp trains dflash and draft-model drafters; "
-                                   "the EAGLE-3 layer (one layer) trains with --parallel ddp")
-
-    def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
-        config = self.config
-        device, dtype = self.target.device, next(self.model.parameters()).dtype
-        sequences, prompt_lens = zip(*(self._sequence(self.train_records[i]) for i in indices))
-        features = self._target_features(list(indices))
+    def loss(self, trainer: Trainer, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
+        config, model = trainer.config, trainer.model
+        device, dtype = trainer.target.device, next(model.parameters()).dtype
+        sequences = [trainer.sequence(i)[0] for i in indices]
+        features = trainer.features(indices)
         width = max(s.numel() for s in sequences)
         ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences]).to(device)
         lengths = torch.tensor([s.numel() for s in sequences], device=device)
-        fused = self.model.fc(torch.stack([F.pad(f.to(dtype), (0, 0, 0, width - f.shape[0])) for f in features]).to(device))
+        fused = model.fc(torch.stack([F.pad(f.to(dtype), (0, 0, 0, width - f.shape[0])) for f in features]).to(device))
         # step 1, every position j at once: (x[j+1], g_j) at position j, causal
         with torch.no_grad():
-            next_embeds = self.target.embed(ids[:, 1:])
+            next_embeds = trainer.target.embed(ids[:, 1:])
         positions = torch.arange(width - 1, device=device).expand(len(indices), -1)
         causal = torch.ones(width - 1, width - 1, dtype=torch.bool, device=device).tril()[None, None]
-        h_all, k_all, v_all = self.model(next_embeds, fused[:, :-1], positions, mask=causal)
+        h_all, k_all, v_all = model(next_embeds, fused[:, :-1], positions, mask=causal)
         # the chains: j = anchor - 1 for random response anchors
         rows, js = [], []
-        for row, (index, sequence, prompt_len) in enumerate(zip(indices, sequences, prompt_lens)):
-            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 100_003 + index)
-            anchors = sample_anchors(prompt_len, sequence.numel(), config.num_anchors, generator)
+        for row, index in enumerate(indices):
+            anchors = trainer.anchors(index, epoch)
             rows += [row] * anchors.numel()
             js += (anchors - 1).tolist()
         # every parameter takes part in the graph even when this rank has no chain, so that
         # the ranks reduce the same gradients
-        total = sum(p.sum() for p in self.model.parameters()) * 0.0
+        total = sum(p.sum() for p in model.parameters()) * 0.0
         weight_sum = torch.zeros((), device=device)
         correct = counted = 0
         if js:
@@ -109,19 +108,19 @@ class Eagle3Trainer(DFlashTrainer):
             for step in range(1, config.block_size):
                 label_at = js_t + step + 1  # x[a + step]
                 labels = torch.where(label_at < lengths[rows_t], ids[rows_t, label_at.clamp(max=width - 1)], IGNORE)
-                loss, weight, right, count = self.head_loss(h[:, 0], self.draft_labels(labels),
-                                                            float(self.weights[step]))
+                loss, weight, right, count = trainer.head_loss(h[:, 0], trainer.draft_labels(labels),
+                                                               float(trainer.weights[step]))
                 total, weight_sum, correct, counted = total + loss, weight_sum + weight, correct + right, counted + count
                 if step == config.block_size - 1 or not bool((label_at < lengths[rows_t]).any()):
                     break
                 # the next step: the true token it just predicted, its own hidden state, one position on
                 with torch.no_grad():
-                    embeds = self.target.embed(labels.clamp_min(0))[:, None]
+                    embeds = trainer.target.embed(labels.clamp_min(0))[:, None]
                 mask = torch.cat([context_mask, torch.ones(len(js), step, dtype=torch.bool, device=device)], dim=1)
-                h, k, v = self.model(embeds, h, (js_t + step)[:, None], torch.cat([context_k, *chain_k], dim=2),
-                                     torch.cat([context_v, *chain_v], dim=2), mask[:, None, None])
+                h, k, v = model(embeds, h, (js_t + step)[:, None], torch.cat([context_k, *chain_k], dim=2),
+                                torch.cat([context_v, *chain_v], dim=2), mask[:, None, None])
                 chain_k.append(k)
                 chain_v.append(v)
-        weight_sum = self.global_sum(weight_sum)  # every rank calls this, whatever its batch held
+        weight_sum = trainer.global_sum(weight_sum)  # every rank calls this, whatever its batch held
         loss = total / weight_sum.clamp_min(1e-8)
         return loss, {"loss": float(loss.detach()), "acc": correct / counted if counted else 0.0}

@@ -1,6 +1,6 @@
 """`blockspec train --method draft-model`: a small independent draft LM for a target
 that has no smaller sibling (like the default), trained on the target's regenerated
-data with the shared trainer (schedule, checkpoints, resume, held-out tau, DDP).
+data (schedule, checkpoints, resume, held-out tau, DDP and FSDP are the trainer's).
 
 The draft is a Llama-style causal LM with the target's vocabulary and hidden size and
 `num_layers` layers. It starts as the target's embedding, its FIRST `num_layers` decoder
@@ -23,7 +23,8 @@ from torch import nn
 from blockspec.drafters.draft_model import DraftModelDrafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import TargetAdapter
-from blockspec.training.trainer import IGNORE, DFlashTrainer
+from blockspec.training.config import TrainConfig
+from blockspec.training.trainer import IGNORE, Trainer
 
 MARKER = "blockspec_draft_model"
 
@@ -88,16 +89,20 @@ def draft_lm_for(target, num_layers: int) -> DraftLM:
     return DraftLM(lm, target.tokenizer)
 
 
-class DraftModelTrainer(DFlashTrainer):
-    def build_model(self):
-        return draft_lm_for(self.target, self.config.num_layers)
+class DraftModelMethod:
+    name = "draft-model"
+    borrows_target_head = False  # a whole LM with its own head (the target's vocabulary)
+    ddp_wrapper = True
+    shardable = True
+    records_target = False  # a plain transformers config: its shapes are what ties it to the target
 
-    def make_drafter(self, model=None):
-        model = model or self.model
-        adapter = TargetAdapter(model.lm, model.tokenizer, "draft-model")
-        return DraftModelDrafter(adapter, self.target)
+    def build_model(self, config: TrainConfig, target) -> DraftLM:
+        return draft_lm_for(target, config.num_layers)
 
-    def shard(self, model) -> None:
+    def make_drafter(self, model: DraftLM, target) -> DraftModelDrafter:
+        return DraftModelDrafter(TargetAdapter(model.lm, model.tokenizer, "draft-model"), target)
+
+    def shard(self, model: DraftLM) -> None:
         """FSDP2 in place: each decoder layer one unit, embedding, norm and head the root's."""
         from torch.distributed.fsdp import fully_shard
 
@@ -105,20 +110,20 @@ class DraftModelTrainer(DFlashTrainer):
             fully_shard(layer)
         fully_shard(model)
 
-    def compute_loss(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
-        sequences, prompt_lens = zip(*(self._sequence(self.train_records[i]) for i in indices))
+    def loss(self, trainer: Trainer, indices: list[int], epoch: int) -> tuple[torch.Tensor, dict]:
+        sequences, prompt_lens = zip(*(trainer.sequence(i) for i in indices))
         width = max(s.numel() for s in sequences)
         ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
         attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
         labels = torch.full_like(ids, IGNORE)
         for row, (sequence, prompt_len) in enumerate(zip(sequences, prompt_lens)):
             labels[row, prompt_len:sequence.numel()] = sequence[prompt_len:]  # learn the responses only
-        device = self.target.device
-        logits = self.ddp_model(ids.to(device), attention.to(device))[:, :-1].float()
+        device = trainer.target.device
+        logits = trainer.ddp_model(ids.to(device), attention.to(device))[:, :-1].float()
         targets = labels[:, 1:].to(device)
         valid = targets != IGNORE
         per_token = F.cross_entropy(logits[valid], targets[valid], reduction="sum")
-        count = self.global_sum(valid.sum().to(torch.float32))
+        count = trainer.global_sum(valid.sum().to(torch.float32))
         loss = per_token / count.clamp_min(1.0)
         with torch.no_grad():
             acc = float((logits[valid].argmax(-1) == targets[valid]).float().mean()) if bool(valid.any()) else 0.0
