@@ -1,8 +1,10 @@
-"""The worker: one thread that owns the decoder, fed by a bounded queue of Jobs.
+"""The worker: one thread that owns the decoding engine, fed by a bounded queue of Jobs.
 
-With a full-attention target, jobs decode TOGETHER (BatchedSpecEngine: one target pass
-per step for every running job, new jobs admitted between steps, only while the batch
-has room); otherwise (e.g. sliding-window layers) one at a time in arrival order.
+Every job is a row of the one engine (`blockspec.decoding.engine`). With a full-attention
+target, jobs decode TOGETHER (BatchedSpecEngine: one target pass per step for every
+running job, new jobs admitted between steps, only while the batch has room); otherwise
+(e.g. sliding-window layers, or --max-batch 1) the engine holds one row at a time and
+the others wait in arrival order.
 Cancellation (the client left) and deadlines are checked between two engine steps. A
 request's failure fails it alone, never the worker. Each job's events go back to its
 event loop: ("text", piece), ("done", GenerationResult) or ("error", ApiError).
@@ -18,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from blockspec.decoding.engine import BatchedSpecEngine
+from blockspec.decoding.engine import BatchedSpecEngine, SpecEngine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import BlockspecError
 from blockspec.pipeline import RowText
@@ -64,12 +66,14 @@ class Worker(threading.Thread):
         super().__init__(daemon=True, name="blockspec-worker")
         self.decoder, self.metrics = decoder, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)  # None: stop
-        self.batched = None
+        self.engine = None
         if max_batch > 1:
             try:
-                self.batched = BatchedSpecEngine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
+                self.engine = BatchedSpecEngine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
             except BlockspecError as why:
                 print(f"blockspec serve: requests will decode one at a time ({why})", flush=True)
+        if self.engine is None:  # one row at a time, as `blockspec generate` decodes
+            self.engine = SpecEngine(decoder.target, decoder.drafter, decoder.block_size)
 
     def submit(self, job: Job) -> None:
         try:
@@ -91,56 +95,13 @@ class Worker(threading.Thread):
                     self._fail(job, ApiError.shutting_down())
 
     def run(self) -> None:
-        if self.batched is not None:
-            self._run_batched()
-            return
-        while (job := self.jobs.get()) is not None:
-            self._run(job)
-
-    def _send(self, job: Job, event) -> None:
-        try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
-
-    def _fail(self, job: Job, error: ApiError) -> None:
-        self._send(job, ("error", error))
-
-    def _still_wanted(self, job: Job) -> bool:
-        """Whether a job taken from the queue is worth starting: its client may have left,
-        or its deadline passed while it waited."""
-        if job.cancelled.is_set():
-            return False
-        if time.monotonic() > job.deadline:
-            self._fail(job, ApiError.timed_out(" in the queue"))
-            return False
-        return True
-
-    # --- one job at a time ----------------------------------------------------------------
-    def _run(self, job: Job) -> None:
-        if not self._still_wanted(job):
-            return
-        try:
-            for piece in self.decoder.stream(job.prompt, raw=job.raw, should_stop=job.should_stop, **job.options):
-                self._send(job, ("text", piece))
-            result = self.decoder.last_result
-            if result.finish_reason == "cancelled" and not job.cancelled.is_set():
-                self._fail(job, ApiError.timed_out())
-                return
-            self.metrics.record(result)
-            self._send(job, ("done", result))
-        except Exception as error:  # never let one request kill the worker
-            self._fail(job, request_error(error))
-
-    # --- many jobs at once ----------------------------------------------------------------
-    def _run_batched(self) -> None:
         running: list[_Running] = []
         while True:
             arrived = []
-            if not self.batched.busy:
+            if not self.engine.busy:
                 arrived.append(self.jobs.get())  # idle: wait for work
             # take jobs only while the batch has room: the rest wait in the bounded queue (429 when full)
-            while len(self.batched.rows) + len(self.batched.waiting) + len(arrived) < self.batched.max_batch:
+            while len(self.engine.rows) + len(self.engine.waiting) + len(arrived) < self.engine.max_batch:
                 try:
                     arrived.append(self.jobs.get_nowait())
                 except queue.Empty:
@@ -162,15 +123,34 @@ class Worker(threading.Thread):
                     elif now > entry.job.deadline and not entry.row.cancelled:
                         entry.timed_out = entry.row.cancelled = True
                 running = [entry for entry in running if not entry.done]
-                self.batched.step()
+                self.engine.step()
             except Exception as error:  # a failed step fails the jobs in it, never the server
                 failure = internal_error(error)
                 for entry in running:
                     if not entry.done:
                         entry.failed = entry.done = True
                         self._fail(entry.job, failure)
-                self.batched.reset()
+                self.engine.reset()
                 running = []
+
+    def _send(self, job: Job, event) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    def _fail(self, job: Job, error: ApiError) -> None:
+        self._send(job, ("error", error))
+
+    def _still_wanted(self, job: Job) -> bool:
+        """Whether a job taken from the queue is worth starting: its client may have left,
+        or its deadline passed while it waited."""
+        if job.cancelled.is_set():
+            return False
+        if time.monotonic() > job.deadline:
+            self._fail(job, ApiError.timed_out(" in the queue"))
+            return False
+        return True
 
     def _admit(self, job: Job) -> _Running | None:
         if not self._still_wanted(job):
@@ -183,7 +163,7 @@ class Worker(threading.Thread):
                            [] if options.get("logprobs") is not None else None,
                            on_text=lambda piece: self._send(job, ("text", piece)))
             entry = _Running(job, text)
-            text.row = self.batched.add(job.prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
+            text.row = self.engine.add(job.prompt_ids, max_new_tokens=options["max_new_tokens"], params=params,
                                         on_chunk=lambda chunk: self._on_chunk(entry, chunk),
                                         on_done=lambda stats: self._on_done(entry, stats),
                                         logprobs=text.logprobs, top_logprobs=options.get("logprobs") or 0)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from blockspec.atomic import replace_dir, write_text
 from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.stats import GenerationStats
-from blockspec.drafters.base import Drafter
+from blockspec.decoding.draft import Drafter
 from blockspec.drafters.checkpoint import fit_problems
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import compact_features, target_features
