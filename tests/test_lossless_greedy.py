@@ -68,17 +68,21 @@ def make_drafter(kind, target, prompt, ref, seed=0):
         from blockspec.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(tiny_target("llama", seed=seed + 7, layers=2), target)
+    if kind == "hybrid":  # the oracle (often right) beside prompt lookup: both sources get chosen
+        from blockspec.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(make_drafter("oracle", target, prompt, ref, seed))
     raise ValueError(kind)
 
 
-def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS):
-    engine = SpecEngine(target, drafter, block)
+def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS, planned=False):
+    engine = SpecEngine(target, drafter, block, adaptive=planned)
     return [t for chunk in engine.generate(prompt, max_new_tokens=max_new, stop_token_ids=stop) for t in chunk]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model", "mtp",
-                                  "eagle3"])
+                                  "eagle3", "hybrid"])
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_identity(arch, kind, block, prompt_name):
@@ -86,6 +90,19 @@ def test_greedy_identity(arch, kind, block, prompt_name):
     prompt = PROMPTS[prompt_name]
     ref = reference(arch, prompt_name)
     ours = run(target, make_drafter(kind, target, prompt, ref), block, prompt)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["prompt-lookup", "dflash", "oracle", "hybrid"])
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+def test_greedy_identity_with_planned_draft_lengths(arch, kind, prompt_name):
+    """The single-sequence planner (draft lengths from measured costs, plain steps
+    included) changes how many tokens are drafted, never which are output."""
+    target = target_for(arch)
+    prompt = PROMPTS[prompt_name]
+    ref = reference(arch, prompt_name)
+    ours = run(target, make_drafter(kind, target, prompt, ref), 16, prompt, planned=True)
     assert_same_or_near_tie(target.model, prompt, ours, ref)
 
 

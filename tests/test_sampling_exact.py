@@ -95,6 +95,7 @@ def dflash(target, sample_drafts, draft_vocab=None):
          SamplingParams(temperature=1.0, top_k=6)),
         ("sampled drafts from an EAGLE-3 layer with a reduced vocabulary, rejection sampling",
          SamplingParams(temperature=1.0)),
+        ("hybrid of prompt lookup and sampled DFlash drafts, each step planned", SamplingParams(temperature=1.0)),
     ],
 )
 def test_output_distribution_is_the_targets(target, rule, params):
@@ -127,9 +128,13 @@ def test_output_distribution_is_the_targets(target, rule, params):
         from blockspec.drafters.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter(tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=1, seed=9), target)
+    elif "hybrid" in rule:
+        from blockspec.drafters.hybrid import HybridDrafter
+
+        drafter = HybridDrafter(dflash(target, True))
     else:
         drafter = dflash(target, rule.startswith("sampled"), draft_vocab)
-    engine = SpecEngine(target, drafter, BLOCK)
+    engine = SpecEngine(target, drafter, BLOCK, adaptive="planned" in rule)
     counts = empirical_joint(engine, params)
     probabilities = exact_joint(target, params)
     assert_same_distribution(counts, probabilities)

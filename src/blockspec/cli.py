@@ -42,9 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", default=None, help="with --input: write the JSONL results here")
     gen.add_argument("--max-batch", type=_positive_int, default=8, help="with --input: prompts decoded together")
     gen.add_argument("--target", default="default", help="'default', a model folder, a .gguf file or a hub id")
-    gen.add_argument("--drafter", default="auto",
-                     help="'auto' (the shipped drafter, else prompt lookup), 'none', 'prompt-lookup' or a drafter folder")
-    gen.add_argument("--block-size", type=int, default=None, help="anchor + drafted tokens per step (default 16)")
+    gen.add_argument("--drafter", default="hybrid",
+                     help="'hybrid' (the shipped drafter with prompt lookup beside it, each step the better one), "
+                          "'auto' (the shipped drafter, else prompt lookup), 'none', 'prompt-lookup' or a drafter folder")
+    gen.add_argument("--block-size", type=int, default=None,
+                     help="the most tokens (anchor + drafts) a step verifies (default: the drafter's, at most 16); "
+                          "each step drafts what pays on this machine, down to none")
+    gen.add_argument("--fixed-block", action="store_true",
+                     help="draft a full block every step (the fixed-length chain) instead of planning each step")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -171,12 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated, the first is the baseline (default: baseline, prompt-lookup, dflash-b16, "
-                            "dflash-b8, hf-generate, hf-prompt-lookup, hf-dflash-b16); dflash-bN for any block size N")
+                       help="comma-separated, the first is the baseline (default: baseline, default, prompt-lookup, "
+                            "dflash-auto, dflash-b16, dflash-b8, hf-generate, hf-prompt-lookup, hf-dflash-b16); "
+                            "dflash-bN for any block size N; `default` is what `blockspec generate` does")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--quick", action="store_true",
                        help="T=0, at most 64 new tokens, 2 prompts per dataset; baseline, transformers generate, "
-                            "prompt lookup and blockspec DFlash (B=8)")
+                            "prompt lookup, blockspec DFlash (B=8) and the default command")
     bench.add_argument("--no-memory", action="store_true",
                        help="skip the peak-memory runs (one process per method, one prompt each)")
     bench.add_argument("--threads", type=_positive_int, default=None)
@@ -243,9 +249,10 @@ def _generate(args) -> int:
         if args.input is not None:
             raise blockspec.InvalidArgumentError("diffusion mode takes one prompt, not --input")
         return _generate_diffusion(args, params)
-    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
-                             dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
-                             context_window=args.context_window, force_drafter=args.force_drafter)
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, plan=not args.fixed_block,
+                             device=args.device, dtype=args.dtype, threads=args.threads,
+                             trust_remote_code=args.trust_remote_code, context_window=args.context_window,
+                             force_drafter=args.force_drafter)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw)
     if args.input is not None:
@@ -263,7 +270,8 @@ def _generate(args) -> int:
         result = decoder.generate(args.prompt, **options)
         print(result.text)
     drafter = decoder.drafter.name if decoder.drafter else "none"
-    print(f"{result.stats.summary()} drafter={drafter} block={decoder.block_size} target={decoder.target.name}")
+    block = f"{decoder.block_size}" if args.fixed_block else f"<={decoder.block_size} (planned per step)"
+    print(f"{result.stats.summary()} drafter={drafter} block={block} target={decoder.target.name}")
     if args.compare and decoder.drafter is not None:
         _compare_with_plain_loop(decoder, args.prompt, options, result)
     return 0
@@ -299,7 +307,8 @@ def _generate_diffusion(args, params) -> int:
 
     print("blockspec: diffusion mode is LOSSY: the text is the drafter's, not the target's "
           "(no verification); use it only where that is acceptable", file=sys.stderr)
-    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, device=args.device,
+    drafter = "auto" if args.drafter == "hybrid" else args.drafter  # the default: diffusion needs the DFlash drafter alone
+    decoder = blockspec.load(args.target, drafter, block_size=args.block_size, device=args.device,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
                              force_drafter=args.force_drafter)
     diffusion = DiffusionDecoder(decoder.target, decoder.drafter, args.block_size, args.diffusion_steps,
@@ -492,7 +501,7 @@ def _bench(args) -> int:
     if args.quick:
         args.temperature, args.limit = 0.0, min(args.limit, 2)
         args.max_new_tokens = min(args.max_new_tokens, 64)
-        args.methods = args.methods or "baseline,hf-generate,prompt-lookup,dflash-b8"
+        args.methods = args.methods or "baseline,hf-generate,prompt-lookup,dflash-b8,default"
     target = load_target(args.target, threads=args.threads)
     drafter = args.drafter
     if drafter == "auto":

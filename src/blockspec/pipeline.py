@@ -31,13 +31,18 @@ class GenerationResult:
 
 
 class SpecDecoder:
-    def __init__(self, target, drafter=None, block_size: int | None = None):
+    def __init__(self, target, drafter=None, block_size: int | None = None, plan: bool = True):
+        """`block_size`: the most tokens (anchor + drafts) a step verifies; None: the
+        drafter's limit, at most 16. `plan`: each step drafts as many tokens as maximise
+        expected tokens per second (the goodput planner, from this machine's measured verify
+        and drafting costs and this sequence's acceptance), a plain step included; False:
+        always a full block (the fixed-length chain)."""
         self.target = target
         self.drafter = drafter
         if block_size is None:
             limit = getattr(drafter, "max_block_size", None)
             block_size = min(DEFAULT_BLOCK_SIZE, limit) if limit else DEFAULT_BLOCK_SIZE
-        self.engine = SpecEngine(target, drafter, block_size)
+        self.engine = SpecEngine(target, drafter, block_size, adaptive=plan)
         self._result: GenerationResult | None = None
 
     @property
@@ -231,16 +236,17 @@ def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> li
     return tokens
 
 
-def load(target: str = DEFAULT_TARGET, drafter: str | None = "auto", *, block_size: int | None = None,
-         device: str = "cpu", dtype: str = "float32", threads: int | None = None,
+def load(target: str = DEFAULT_TARGET, drafter: str | None = "hybrid", *, block_size: int | None = None,
+         plan: bool = True, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
          trust_remote_code: bool = False, context_window: int | None = None,
          force_drafter: bool = False) -> SpecDecoder:
-    """Load a target and a drafter. `drafter`: 'auto' (the shipped drafter for this
-    target, else prompt lookup), 'none' (or None), 'prompt-lookup', or a drafter folder."""
+    """Load a target and a drafter. `drafter`: 'hybrid' (the shipped drafter for this target
+    with prompt lookup beside it), 'auto' (the shipped drafter, else prompt lookup), 'none'
+    (or None), 'prompt-lookup', or a drafter folder. `block_size` and `plan`: SpecDecoder's."""
     target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
                                  trust_remote_code=trust_remote_code)
     options = {"context_window": context_window} if context_window else {}
     if force_drafter:
         options["force"] = True
     drafter_obj = load_drafter(drafter, target_adapter, **options)
-    return SpecDecoder(target_adapter, drafter_obj, block_size)
+    return SpecDecoder(target_adapter, drafter_obj, block_size, plan)

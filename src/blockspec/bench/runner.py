@@ -26,6 +26,7 @@ class Method:
     block_size: int = 16
     engine: str = "blockspec"  # or a transformers peer (hf-generate, hf-prompt-lookup, hf-dflash), or diffusion
     diffusion_steps: int = 1
+    plan: bool = False  # blockspec: each step's draft length planned (block_size the most), else a full block
 
     @property
     def lossless(self) -> bool:
@@ -33,7 +34,7 @@ class Method:
 
     def build(self, target):
         if self.engine == "blockspec":
-            return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size)
+            return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size, self.plan)
         if self.engine == "diffusion":
             return DiffusionRunner(target, load_drafter(self.drafter, target), self.block_size, self.diffusion_steps)
         return TransformersPeer(target, self.engine, self.drafter, self.block_size)
@@ -68,14 +69,16 @@ class DiffusionRunner:
                                 finish_reason="stop" if stop else "length")
 
 
-DEFAULT_METHODS = "baseline,prompt-lookup,dflash-b16,dflash-b8,hf-generate,hf-prompt-lookup,hf-dflash-b16"
+DEFAULT_METHODS = "baseline,default,prompt-lookup,dflash-auto,dflash-b16,dflash-b8,hf-generate,hf-prompt-lookup,hf-dflash-b16"
 _DIFFUSION = re.compile(r"^diffusion-b(\d+)(?:-s(\d+))?$")
 
 
 def parse_methods(names: str, drafter: str | None) -> list[Method]:
     """Method names -> methods; the first is the baseline. `baseline` (blockspec's plain
     loop), any drafter registered by name (e.g. `prompt-lookup`), `dflash-bN` (the DFlash
-    drafter at block size N), the transformers peers `hf-generate`, `hf-prompt-lookup`
+    drafter at block size N, a full block every step), `dflash-auto` (the DFlash drafter,
+    each step's length planned, at most 16), `default` (what `blockspec generate` does: the
+    DFlash drafter with prompt lookup beside it, planned), the transformers peers `hf-generate`, `hf-prompt-lookup`
     and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter), the lossy
     `diffusion-bN[-sK]`, and `LABEL=FOLDER` for any other trained drafter (e.g.
     `mtp-b4=runs/mtp/final`: an MTP head at block size 4)."""
@@ -89,6 +92,12 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
             methods.append(Method(label, folder, int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 8))
         elif name == "baseline":
             methods.append(Method(name, "none", 1))
+        elif name == "default":
+            methods.append(Method(name, "hybrid" if drafter in (None, "auto") else f"hybrid:{drafter}", 16, plan=True))
+        elif name == "dflash-auto" and drafter:
+            methods.append(Method(name, drafter, 16, plan=True))
+        elif name == "dflash-auto":
+            continue
         elif diffusion and drafter:  # lossy: standalone diffusion decoding with the DFlash drafter
             methods.append(Method(name, drafter, int(diffusion[1]), engine="diffusion",
                                   diffusion_steps=int(diffusion[2] or 1)))
@@ -104,7 +113,7 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
         elif block:
             continue  # no DFlash drafter for this target: nothing to run
         else:
-            known = ["baseline", *NAMED_DRAFTERS, "dflash-bN", *PEER_KINDS[:2], "hf-dflash-bN",
+            known = ["baseline", "default", *NAMED_DRAFTERS, "dflash-bN", "dflash-auto", *PEER_KINDS[:2], "hf-dflash-bN",
                      "diffusion-bN[-sK] (lossy)"]
             raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
     if not methods or methods[0].name != "baseline":

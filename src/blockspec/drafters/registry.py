@@ -10,6 +10,7 @@ from pathlib import Path
 from blockspec.decoding.draft import Drafter
 from blockspec.drafters.dflash import load_dflash
 from blockspec.drafters.eagle3 import load_eagle3
+from blockspec.drafters.hybrid import HybridDrafter
 from blockspec.drafters.mtp import load_mtp
 from blockspec.drafters.prompt_lookup import PromptLookupDrafter
 from blockspec.errors import DrafterNotFoundError
@@ -47,10 +48,14 @@ def shipped_drafter_for(target) -> Path | None:
 
 
 def load_drafter(spec: str | None, target, **options) -> Drafter | None:
-    """`none` (or None), `auto` (the shipped drafter for this target, else prompt lookup), a
-    registered name, or a drafter folder."""
+    """`none` (or None), `auto` (the shipped drafter for this target, else prompt lookup),
+    `hybrid` (the shipped drafter with prompt lookup beside it, each step the source that
+    scores better; `hybrid:FOLDER` with another drafter), a registered name, or a drafter folder."""
     if spec is None or spec == "none":
         return None
+    if spec == "hybrid" or spec.startswith("hybrid:"):
+        model = load_drafter(spec.removeprefix("hybrid").removeprefix(":") or "auto", target, **options)
+        return model if isinstance(model, PromptLookupDrafter) else HybridDrafter(model)
     if spec == "auto":
         shipped = shipped_drafter_for(target)
         return load_drafter(str(shipped), target, **options) if shipped else NAMED_DRAFTERS["prompt-lookup"](target)
@@ -63,7 +68,7 @@ def load_drafter(spec: str | None, target, **options) -> Drafter | None:
     folder = Path(spec).expanduser()
     config_path = folder / "config.json"
     if not config_path.is_file():
-        known = ", ".join(["none", "auto", *NAMED_DRAFTERS, "model:PATH"])
+        known = ", ".join(["none", "auto", "hybrid", "hybrid:FOLDER", *NAMED_DRAFTERS, "model:PATH"])
         raise DrafterNotFoundError(f"unknown drafter {spec!r}: not one of {known}, and not a drafter folder")
     try:
         architectures = json.loads(config_path.read_text()).get("architectures") or []

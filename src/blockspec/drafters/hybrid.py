@@ -1,0 +1,102 @@
+"""Hybrid: a model drafter and prompt lookup behind one drafter; every step, per sequence,
+the source expected to get more tokens accepted drafts (the suffix-or-model choice of
+ArcticInference, scored per request).
+
+Each source is scored by its accepted drafts per proposal in THIS sequence (decayed, over
+a prior of one token). Prompt lookup is free, so its score is kept up to date every step,
+also when the model drafted (what lookup would have proposed is checked against what was
+committed). The model's score moves only when it drafts. Lookup drafts when it has a
+continuation and scores at least the model; otherwise the model drafts, and its pass is
+then skipped for that sequence. How many tokens a proposal was worth is read from the
+committed tokens at the next proposal: the longest prefix of the draft they repeat is
+exactly what the verifier accepted (a rejected draft token is never the target's token).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.decoding.draft import Draft, Drafter, DraftRequest
+from blockspec.drafters.prompt_lookup import PromptLookupDrafter
+
+
+@dataclass
+class SourceScore:
+    accepted: float = 1.0  # decayed accepted drafts, starting from a prior of one proposal worth one token
+    proposals: float = 1.0
+
+    def observe(self, accepted: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.proposals = decay * self.proposals + 1
+
+    @property
+    def expected(self) -> float:
+        return self.accepted / self.proposals
+
+
+def accepted_prefix(draft: torch.Tensor, committed_after_anchor: torch.Tensor) -> int:
+    length = min(draft.numel(), committed_after_anchor.numel())
+    same = (draft[:length] == committed_after_anchor[:length]).int()
+    return int(same.cumprod(0).sum())
+
+
+class HybridDrafter(Drafter):
+    def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, decay: float = 0.8):
+        self.model, self.lookup, self.decay = model, lookup or PromptLookupDrafter(), decay
+        self.name = f"hybrid({model.name}+{self.lookup.name})"
+        self.target_layer_ids = model.target_layer_ids
+        self.max_block_size = model.max_block_size
+        self._reset_scores()
+
+    def _reset_scores(self) -> None:
+        self.scores = {"model": SourceScore(), "lookup": SourceScore()}
+        self.chosen: list[str] = []  # the source of each proposal (what `stats` reports)
+        # the last proposal, scored at the next one: (anchor index, {source: tokens proposed})
+        self._last: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def fork(self) -> "HybridDrafter":
+        other = copy.copy(self)
+        other.model = self.model.fork()
+        other._reset_scores()
+        return other
+
+    def begin(self, prompt_ids, prompt_features) -> None:
+        self._reset_scores()
+        self.model.begin(prompt_ids, prompt_features)
+
+    def accept(self, committed_ids, committed_features) -> None:
+        self.model.accept(committed_ids, committed_features)  # the model's context, whoever drafted
+
+    def _score_last(self, token_ids: torch.Tensor) -> None:
+        if self._last is None:
+            return
+        anchor, proposals = self._last
+        for source, tokens in proposals.items():
+            self.scores[source].observe(accepted_prefix(tokens, token_ids[anchor + 1:]), self.decay)
+        self._last = None
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts: list[Draft | None] = [None] * len(requests)
+        by_model: list[int] = []
+        for i, request in enumerate(requests):
+            fork: HybridDrafter = request.sequence
+            fork._score_last(request.token_ids)
+            lookup = fork.lookup.propose_one(request)
+            proposals = {"lookup": lookup.tokens} if lookup.tokens.numel() else {}
+            if proposals and fork.scores["lookup"].expected >= fork.scores["model"].expected:
+                drafts[i] = lookup
+                fork.chosen.append("lookup")
+            else:
+                by_model.append(i)
+                fork.chosen.append("model")
+            fork._last = (request.token_ids.numel() - 1, proposals)
+        if by_model:  # every sequence the model drafts for, in one call (one pass where it can)
+            inner = [DraftRequest(requests[i].sequence.model, requests[i].token_ids, requests[i].num_drafts,
+                                  requests[i].params, requests[i].generator) for i in by_model]
+            for i, draft in zip(by_model, self.model.propose(inner)):
+                drafts[i] = draft
+                requests[i].sequence._last[1]["model"] = draft.tokens
+        return drafts
