@@ -51,3 +51,37 @@ def test_engine_stats_are_consistent_with_its_output():
     plain = GenerationStats(1)
     list(SpecEngine(target, None, 8).generate(prompt, max_new_tokens=10, stop_token_ids=(-1,), stats=plain))
     assert plain.tau == 1.0 and plain.steps == 9 and plain.accept_hist == [9]
+
+
+def test_hybrid_scores_each_source_by_what_was_committed_and_drafts_with_the_better_one():
+    """Lookup's score is kept up to date even when the model drafted; the model's only when
+    it drafted; the source with the higher score (ties: lookup, it is free) drafts."""
+    from blockspec.decoding.draft import Draft, Drafter
+    from blockspec.drafters.hybrid import HybridDrafter
+
+    class Fixed(Drafter):  # always proposes the same tokens
+        name = "fixed"
+
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def begin(self, prompt_ids, prompt_features):
+            pass
+
+        def propose_one(self, request):
+            return Draft(tokens=torch.tensor(self.tokens[:request.num_drafts]))
+
+    hybrid = HybridDrafter(Fixed([7, 8, 9])).fork()
+    hybrid.begin(torch.tensor([1, 2, 3, 1]), None)
+
+    def step(committed):
+        return hybrid.propose([DraftRequest(hybrid, torch.tensor(committed), 3, SamplingParams())])[0].tokens.tolist()
+
+    # lookup has a continuation ([2, 3, 1]) and both scores start equal: lookup drafts
+    assert step([1, 2, 3, 1]) == [2, 3, 1] and hybrid.chosen == ["lookup"]
+    # the target wrote 5 after the anchor: lookup's proposal was worth 0, so the model drafts
+    assert step([1, 2, 3, 1, 5]) == [7, 8, 9] and hybrid.chosen[-1] == "model"
+    assert hybrid.scores["lookup"].expected < hybrid.scores["model"].expected
+    # the model's 7, 8 were accepted (then 4): its score rises; lookup had no continuation after 5
+    assert step([1, 2, 3, 1, 5, 7, 8, 4]) == [7, 8, 9]
+    assert hybrid.scores["model"].expected > 1.0
