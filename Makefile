@@ -21,9 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
-# --block-size 8: on a 2-core CPU a 16-token verify costs more than it gains (docs/benchmarks.md).
+# The defaults: the shipped DFlash drafter with prompt lookup beside it, each step's length planned.
 demo: install
-	$(VENV)/bin/blockspec generate "A bakery sells muffins for 3 dollars each and cookies for 2 dollars each. Mia buys 4 muffins and 5 cookies. How much does she spend? Reason step by step." --max-new-tokens 96 --block-size 8 --compare
+	$(VENV)/bin/blockspec generate "A bakery sells muffins for 3 dollars each and cookies for 2 dollars each. Mia buys 4 muffins and 5 cookies. How much does she spend? Reason step by step." --max-new-tokens 96 --compare
 
 test: install
 	$(PY) -m pytest -q
