@@ -51,7 +51,7 @@ def generate_batch(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = new_cache(model.config)
     capture = feature_layers is not None
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=1, output_hidden_states=capture)
     logits = out.logits[:, -1]
     responses: list[list[int]] = [[] for _ in prompts]
@@ -79,7 +79,7 @@ def generate_batch(
             alive, tokens, mask, next_position = alive[keep], tokens[keep], mask[keep], next_position[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                    past_key_values=cache, use_cache=True, output_hidden_states=capture)
+                    cache=cache, use_cache=True, output_hidden_states=capture)
         logits = out.logits[:, -1]
         if capture:
             stacked = _features(out, feature_layers)
