@@ -78,9 +78,9 @@ def test_hybrid_scores_each_source_by_what_was_committed_and_drafts_with_the_bet
         return hybrid.propose([DraftRequest(hybrid, torch.tensor(committed), 3, SamplingParams())])[0].tokens.tolist()
 
     # lookup has a continuation ([2, 3, 1]) and both scores start equal: lookup drafts
-    assert step([1, 2, 3, 1]) == [2, 3, 1] and hybrid.chosen == ["lookup"]
+    assert step([1, 2, 3, 1]) == [2, 3, 1] and hybrid.last_source == "lookup"
     # the target wrote 5 after the anchor: lookup's proposal was worth 0, so the model drafts
-    assert step([1, 2, 3, 1, 5]) == [7, 8, 9] and hybrid.chosen[-1] == "model"
+    assert step([1, 2, 3, 1, 5]) == [7, 8, 9] and hybrid.last_source == "model"
     assert hybrid.scores["lookup"].expected < hybrid.scores["model"].expected
     # the model's 7, 8 were accepted (then 4): its score rises; lookup had no continuation after 5
     assert step([1, 2, 3, 1, 5, 7, 8, 4]) == [7, 8, 9]

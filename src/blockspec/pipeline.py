@@ -20,7 +20,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled"
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
     prompt_tokens: int = 0
     # per token: (log-probability under the target, [(id, log-probability)] of the top ones)
     logprobs: list | None = None
@@ -68,16 +68,10 @@ class SpecDecoder:
         one ends. Prompt i samples with seed + i. Targets with sliding-window layers decode
         the prompts one after the other instead. Same outputs as `generate` one by one (at
         T=0 up to the float rounding a batched pass can move)."""
-        from blockspec.decoding.engine import BatchedSpecEngine
-        from blockspec.errors import BlockspecError
+        from blockspec.decoding.engine import serving_engine
 
-        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
-                       raw=raw)
         seeds = [None if seed is None else seed + i for i in range(len(prompts))]
-        try:
-            engine = BatchedSpecEngine(self.target, self.drafter, self.block_size, max_batch)
-        except BlockspecError:
-            return [self.generate(p, seed=s, **options) for p, s in zip(prompts, seeds)]
+        engine, _ = serving_engine(self.target, self.drafter, self.block_size, max_batch)
         results: list[GenerationResult | None] = [None] * len(prompts)
         for index, (prompt, prompt_seed) in enumerate(zip(prompts, seeds)):
             if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
@@ -105,11 +99,9 @@ class SpecDecoder:
 
     def _run(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: list[str] | None = None, raw: bool = False,
-             stop_token_ids: tuple[int, ...] | None = None, logprobs: int | None = None,
-             should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+             stop_token_ids: tuple[int, ...] | None = None, logprobs: int | None = None) -> Iterator[str]:
         """`logprobs`: also record the target's log-probability of each token and of its
-        `logprobs` best alternatives. `should_stop`: polled between committed chunks (a
-        client gone, a deadline passed); when it returns True the run ends, "cancelled"."""
+        `logprobs` best alternatives."""
         if isinstance(prompt, str) and not prompt.strip():
             raise InvalidArgumentError("the prompt is empty")
         if isinstance(prompt, list) and not prompt:
@@ -125,9 +117,6 @@ class SpecDecoder:
                                       top_logprobs=logprobs or 0)
         try:
             for chunk in chunks:
-                if should_stop is not None and should_stop():
-                    text_stream.finish_reason = "cancelled"
-                    break
                 piece = text_stream.feed(chunk)
                 if piece:
                     yield piece

@@ -252,8 +252,9 @@ class SpecEngine:
         # The target keeps K/V of the anchor and the accepted drafts; the bonus token has
         # none yet: it is the next anchor, written by the next pass.
         self.kv.keep(i, len(row.tokens) + accept_length)
+        accepted = draft.tokens[:accept_length].tolist()
         if row.drafter is not None:
-            row.unseen_ids.append(torch.tensor([row.tokens[-1]] + draft.tokens[:accept_length].tolist()))
+            row.unseen_ids.append(torch.tensor([row.tokens[-1]] + accepted))
             if features is not None:  # a copy: a view would keep the whole batch's features alive
                 row.unseen_features.append(features[:accept_length + 1].clone())
         row.stats.record_step(drafted, accept_length)
@@ -261,7 +262,7 @@ class SpecEngine:
             self.planner.age(row.acceptance)
             if drafted:
                 self.planner.observe(row.acceptance, drafted, accept_length)
-        self.commit_chunk(row, draft.tokens[:accept_length].tolist() + [bonus], logits)
+        self.commit_chunk(row, accepted + [bonus], logits)
 
     @staticmethod
     def commit_chunk(row: Row, new: list[int], logits: torch.Tensor) -> None:
@@ -293,6 +294,18 @@ class BatchedSpecEngine(SpecEngine):
     def __init__(self, target, drafter: Drafter | None = None, block_size: int = 8, max_batch: int = 8,
                  adaptive: bool = True, planner: DraftPlanner | None = None):
         super().__init__(target, drafter, block_size, max_batch=max_batch, adaptive=adaptive, planner=planner)
+
+
+def serving_engine(target, drafter: Drafter | None, block_size: int, max_batch: int) -> tuple[SpecEngine, str | None]:
+    """The engine for many requests: batched (`BatchedSpecEngine`) when the target's cache can
+    hold rows side by side, else one row at a time with the rest waiting (sliding-window
+    layers; `max_batch` 1), planned alike. Returns it and, when it fell back, why."""
+    if max_batch > 1:
+        try:
+            return BatchedSpecEngine(target, drafter, block_size, max_batch), None
+        except InvalidArgumentError as why:
+            return SpecEngine(target, drafter, block_size, adaptive=True), str(why)
+    return SpecEngine(target, drafter, block_size, adaptive=True), None
 
 
 def check_request(target, prompt_len: int, max_new_tokens: int, stop_token_ids=None) -> tuple[int, set[int]]:

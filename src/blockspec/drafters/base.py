@@ -36,9 +36,7 @@ class TargetBoundDrafter(Drafter):
 
     def __init__(self, model, target, *, force: bool = False):
         """`force` accepts a drafter trained for another tokenizer (the shapes must still fit)."""
-        problems = self.fit_problems(model.config, target, check_fingerprint=not force)
-        if problems:
-            raise DrafterMismatchError(f"{self.kind} does not fit the target: " + "; ".join(problems))
+        self.check_fits(model.config, target, check_fingerprint=not force)
         self.model = bind_to_target(model, target)
         self.target = target
         self.target_layer_ids = tuple(model.config.target_layer_ids)
@@ -48,6 +46,13 @@ class TargetBoundDrafter(Drafter):
     @staticmethod
     def fit_problems(config, target, check_fingerprint: bool = True) -> list[str]:
         return fit_problems(config, target, check_fingerprint)
+
+    @classmethod
+    def check_fits(cls, config, target, check_fingerprint: bool = True) -> None:
+        """Raise DrafterMismatchError naming exactly what does not fit `target`."""
+        problems = cls.fit_problems(config, target, check_fingerprint)
+        if problems:
+            raise DrafterMismatchError(f"{cls.kind} does not fit the target: " + "; ".join(problems))
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (the target's head, restricted)."""

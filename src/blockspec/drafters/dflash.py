@@ -287,28 +287,29 @@ class DFlashDrafter(TargetBoundDrafter):
         its own context and its own block (padding included nowhere), so every row drafts what
         it would alone, up to float rounding."""
         forks = [request.sequence for request in requests]
+        if len(forks) == 1:  # one sequence: its own block on its own context, no padding, no mask
+            (request,) = requests
+            block = torch.full((request.num_drafts + 1,), self.mask_token_id, dtype=torch.long)
+            block[0] = request.token_ids[-1]
+            logits = forks[0].block_logits(block, request.token_ids.numel() - 1)
+            return [forks[0]._draft(logits, request.params, request.generator)]
         width = 1 + max(request.num_drafts for request in requests)
         blocks = torch.full((len(forks), width), self.mask_token_id, dtype=torch.long)
         positions = torch.zeros(len(forks), width, dtype=torch.long)
-        for row, request in enumerate(requests):
+        contexts = [fork._context_kv[0][0].shape[2] for fork in forks]
+        longest = max(contexts)
+        allowed = torch.zeros(len(forks), 1, width, longest + width, dtype=torch.bool)
+        for row, (request, context) in enumerate(zip(requests, contexts)):
             blocks[row, 0] = request.token_ids[-1]
             anchor_position = request.token_ids.numel() - 1
             positions[row] = torch.arange(anchor_position, anchor_position + width)
+            allowed[row, :, :, :context] = True
+            allowed[row, :, :, longest:longest + request.num_drafts + 1] = True
         device = self.target.device
-        if len(forks) == 1:  # one sequence: its own context as it is, no mask
-            context_kv, allowed = forks[0]._context_kv, None
-        else:
-            contexts = [fork._context_kv[0][0].shape[2] for fork in forks]
-            longest = max(contexts)
-            allowed = torch.zeros(len(forks), 1, width, longest + width, dtype=torch.bool)
-            for row, (request, context) in enumerate(zip(requests, contexts)):
-                allowed[row, :, :, :context] = True
-                allowed[row, :, :, longest:longest + request.num_drafts + 1] = True
-            allowed = allowed.to(device)
-            context_kv = [(stack_padded([fork._context_kv[layer][0] for fork in forks]),
-                           stack_padded([fork._context_kv[layer][1] for fork in forks]))
-                          for layer in range(len(self.model.layers))]
-        hidden = self.model(self.target.embed(blocks.to(device)), positions.to(device), context_kv, allowed)
+        context_kv = [(stack_padded([fork._context_kv[layer][0] for fork in forks]),
+                       stack_padded([fork._context_kv[layer][1] for fork in forks]))
+                      for layer in range(len(self.model.layers))]
+        hidden = self.model(self.target.embed(blocks.to(device)), positions.to(device), context_kv, allowed.to(device))
         logits = self.head_logits(hidden[:, 1:])
         return [fork._draft(logits[row, :request.num_drafts], request.params, request.generator)
                 for row, (fork, request) in enumerate(zip(forks, requests))]
@@ -324,11 +325,7 @@ class DFlashDrafter(TargetBoundDrafter):
         return problems
 
 
-def check_fits(config: DFlashConfig, target, check_fingerprint: bool = True) -> None:
-    """Raise DrafterMismatchError naming exactly what does not fit `target`."""
-    problems = DFlashDrafter.fit_problems(config, target, check_fingerprint)
-    if problems:
-        raise DrafterMismatchError("drafter does not fit the target: " + "; ".join(problems))
+check_fits = DFlashDrafter.check_fits  # what `check-drafter` runs on a folder's config
 
 
 def load_dflash(directory, target, **options) -> DFlashDrafter:

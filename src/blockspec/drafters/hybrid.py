@@ -53,7 +53,7 @@ class HybridDrafter(Drafter):
 
     def _reset_scores(self) -> None:
         self.scores = {"model": SourceScore(), "lookup": SourceScore()}
-        self.chosen: list[str] = []  # the source of each proposal (what `stats` reports)
+        self.last_source: str | None = None  # which source drafted the last proposal
         # the last proposal, scored at the next one: (anchor index, {source: tokens proposed})
         self._last: tuple[int, dict[str, torch.Tensor]] | None = None
 
@@ -80,23 +80,22 @@ class HybridDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(requests)
-        by_model: list[int] = []
+        proposals: list[dict[str, torch.Tensor]] = []  # per request: what each source proposed
         for i, request in enumerate(requests):
             fork: HybridDrafter = request.sequence
             fork._score_last(request.token_ids)
             lookup = fork.lookup.propose_one(request)
-            proposals = {"lookup": lookup.tokens} if lookup.tokens.numel() else {}
-            if proposals and fork.scores["lookup"].expected >= fork.scores["model"].expected:
+            proposals.append({"lookup": lookup.tokens} if lookup.tokens.numel() else {})
+            use_lookup = bool(proposals[i]) and fork.scores["lookup"].expected >= fork.scores["model"].expected
+            fork.last_source = "lookup" if use_lookup else "model"
+            if use_lookup:
                 drafts[i] = lookup
-                fork.chosen.append("lookup")
-            else:
-                by_model.append(i)
-                fork.chosen.append("model")
-            fork._last = (request.token_ids.numel() - 1, proposals)
+        by_model = [i for i, draft in enumerate(drafts) if draft is None]
         if by_model:  # every sequence the model drafts for, in one call (one pass where it can)
             inner = [DraftRequest(requests[i].sequence.model, requests[i].token_ids, requests[i].num_drafts,
                                   requests[i].params, requests[i].generator) for i in by_model]
             for i, draft in zip(by_model, self.model.propose(inner)):
-                drafts[i] = draft
-                requests[i].sequence._last[1]["model"] = draft.tokens
+                drafts[i], proposals[i]["model"] = draft, draft.tokens
+        for request, proposed in zip(requests, proposals):
+            request.sequence._last = (request.token_ids.numel() - 1, proposed)
         return drafts

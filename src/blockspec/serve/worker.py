@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from blockspec.decoding.engine import BatchedSpecEngine, SpecEngine
+from blockspec.decoding.engine import serving_engine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.errors import BlockspecError
 from blockspec.pipeline import RowText
@@ -57,23 +57,15 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     checked_at: float = field(default_factory=time.monotonic)  # when the client was last seen connected
 
-    def should_stop(self) -> bool:
-        return self.cancelled.is_set() or time.monotonic() > self.deadline
-
 
 class Worker(threading.Thread):
     def __init__(self, decoder, max_queue: int, metrics: Metrics, max_batch: int = 8):
         super().__init__(daemon=True, name="blockspec-worker")
         self.decoder, self.metrics = decoder, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)  # None: stop
-        self.engine = None
-        if max_batch > 1:
-            try:
-                self.engine = BatchedSpecEngine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
-            except BlockspecError as why:
-                print(f"blockspec serve: requests will decode one at a time ({why})", flush=True)
-        if self.engine is None:  # one row at a time, as `blockspec generate` decodes
-            self.engine = SpecEngine(decoder.target, decoder.drafter, decoder.block_size)
+        self.engine, why_one_at_a_time = serving_engine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
+        if why_one_at_a_time:
+            print(f"blockspec serve: requests will decode one at a time ({why_one_at_a_time})", flush=True)
 
     def submit(self, job: Job) -> None:
         try:
