@@ -100,6 +100,38 @@ class OracleDrafter(Drafter):
         pass
 
 
+class TreeOracleDrafter(OracleDrafter):
+    """Test helper for token trees: per-position candidates (`top_k` distinct ids, best
+    first) with the reference token at a random rank, or missing, so that walks take first,
+    later and no branches. Without a candidates request it drafts the rank-1 chain."""
+
+    name = "tree-oracle"
+    gives_candidates = True
+
+    def __init__(self, reference: list[int], top_k: int = 3, miss_prob: float = 0.25, seed: int = 0,
+                 vocab_size: int = 96):
+        super().__init__(reference, seed=seed, vocab_size=vocab_size)
+        self.top_k, self.miss_prob = top_k, miss_prob
+
+    def propose_one(self, request):
+        from blockspec.decoding.draft import Draft
+        from blockspec.decoding.tree import Candidates
+
+        start = request.token_ids.numel()
+        truth = self.reference[start:start + request.num_drafts]
+        ids = torch.stack([torch.randperm(self.vocab_size, generator=self.rng)[:self.top_k] for _ in truth]) \
+            if truth else torch.empty(0, self.top_k, dtype=torch.long)
+        for position, token in enumerate(truth):
+            ids[position][ids[position] == token] = (token + 1) % self.vocab_size  # placed below, or missing
+            if float(torch.rand(1, generator=self.rng)) >= self.miss_prob:
+                ids[position, int(torch.randint(self.top_k, (1,), generator=self.rng))] = token
+        scores = torch.rand(len(truth), self.top_k, generator=self.rng).sort(dim=-1, descending=True).values
+        logprobs = torch.log_softmax(3 * scores, dim=-1)
+        if not request.candidates:
+            return Draft(tokens=ids[:, 0].clone())
+        return Draft(tokens=ids[:, 0].clone(), candidates=Candidates(ids, logprobs))
+
+
 def assert_same_or_near_tie(model, prompt: list[int], ours: list[int], reference: list[int]):
     """T=0 identity, with exactly one recognised exception: a genuine near-tie.
 

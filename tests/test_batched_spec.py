@@ -26,7 +26,7 @@ def collect(engine, prompt, max_new, **options):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])  # gemma3: windows in the mask
 @pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model",
                                   "mtp", "eagle3"])
 def test_every_row_equals_greedy_decoding_alone(arch, kind):
@@ -65,9 +65,11 @@ def test_compaction_keeps_outputs_and_shrinks_the_cache():
         assert_same_or_near_tie(target.model, prompt, out["tokens"], hf_greedy(target.model, prompt, 60, EOS))
 
 
-def test_sliding_window_targets_are_refused():
-    with pytest.raises(InvalidArgumentError, match="full attention"):
-        BatchedSpecEngine(tiny_target("gemma3"), None)
+def test_layers_other_than_full_or_sliding_attention_are_refused():
+    target = tiny_target("llama")
+    target.model.config.layer_types = ["full_attention", "chunked_attention"] * 2
+    with pytest.raises(InvalidArgumentError, match="chunked_attention"):
+        BatchedSpecEngine(target, None)
 
 
 def test_cancelled_rows_leave_and_the_others_finish():

@@ -77,6 +77,22 @@ def test_stream_never_emits_a_partial_stop_string(target):
     assert stop in target.decode(result.token_ids)
 
 
+def test_a_stop_string_across_a_trees_accepted_path_ends_like_a_chain(target):
+    plain = SpecDecoder(target, None)
+    full = plain.generate(PROMPTS[2], max_new_tokens=40)
+    stop = full.text[10:16]
+    expected = plain.generate(PROMPTS[2], max_new_tokens=40, stop=[stop])
+    # a tree drafter that knows the continuation: the stop string lands inside an accepted path
+    from conftest import TreeOracleDrafter
+
+    oracle = TreeOracleDrafter(target.encode_prompt(PROMPTS[2]) + full.token_ids, miss_prob=0.0,
+                               vocab_size=target.vocab_size)
+    decoder = SpecDecoder(target, oracle, block_size=8, plan=False, tree_budget=12)
+    result = decoder.generate(PROMPTS[2], max_new_tokens=40, stop=[stop])
+    assert (result.text, result.token_ids, result.finish_reason) == (expected.text, expected.token_ids, "stop")
+    assert result.stats.tree_steps > 0 and result.stats.tau > 2
+
+
 def cli(*args, check=True):
     proc = subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True, timeout=300)
     if check:

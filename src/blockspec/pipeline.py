@@ -31,18 +31,21 @@ class GenerationResult:
 
 
 class SpecDecoder:
-    def __init__(self, target, drafter=None, block_size: int | None = None, plan: bool = True):
-        """`block_size`: the most tokens (anchor + drafts) a step verifies; None: the
-        drafter's limit, at most 16. `plan`: each step drafts as many tokens as maximise
-        expected tokens per second (the goodput planner, from this machine's measured verify
-        and drafting costs and this sequence's acceptance), a plain step included; False:
-        always a full block (the fixed-length chain)."""
+    def __init__(self, target, drafter=None, block_size: int | None = None, plan: bool = True,
+                 tree_budget: int | None = None):
+        """`block_size`: the most tokens (anchor + drafts) a step verifies (a tree: its most
+        depth + 1); None: the drafter's limit, at most 16. `plan`: each step drafts as many
+        tokens (a tree: as many nodes) as maximise expected tokens per second (the goodput
+        planner, from this machine's measured verify and drafting costs and this sequence's
+        acceptance), a plain step included; False: always a full block (or tree).
+        `tree_budget`: verify token trees of at most this many nodes (DDTree) where the
+        drafter gives per-position distributions; None: chains."""
         self.target = target
         self.drafter = drafter
         if block_size is None:
             limit = getattr(drafter, "max_block_size", None)
             block_size = min(DEFAULT_BLOCK_SIZE, limit) if limit else DEFAULT_BLOCK_SIZE
-        self.engine = SpecEngine(target, drafter, block_size, adaptive=plan)
+        self.engine = SpecEngine(target, drafter, block_size, adaptive=plan, tree_budget=tree_budget)
         self._result: GenerationResult | None = None
 
     @property
@@ -65,8 +68,9 @@ class SpecDecoder:
                        stop: list[str] | None = None, raw: bool = False) -> list[GenerationResult]:
         """Decode many prompts together: up to `max_batch` at once, one target pass per step
         for all of them (batched speculative decoding), the next prompt joining as soon as
-        one ends. Prompt i samples with seed + i. Targets with sliding-window layers decode
-        the prompts one after the other instead. Same outputs as `generate` one by one (at
+        one ends. Prompt i samples with seed + i. Targets whose attention the slot cache
+        cannot hold (neither full nor sliding-window) decode the prompts one after the other
+        instead. Same outputs as `generate` one by one (at
         T=0 up to the float rounding a batched pass can move)."""
         from blockspec.decoding.engine import serving_engine
 
@@ -228,14 +232,15 @@ def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> li
 def load(target: str = DEFAULT_TARGET, drafter: str | None = "hybrid", *, block_size: int | None = None,
          plan: bool = True, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
          trust_remote_code: bool = False, context_window: int | None = None,
-         force_drafter: bool = False) -> SpecDecoder:
+         force_drafter: bool = False, tree_budget: int | None = None) -> SpecDecoder:
     """Load a target and a drafter. `drafter`: 'hybrid' (the shipped drafter for this target
     with prompt lookup beside it), 'auto' (the shipped drafter, else prompt lookup), 'none'
-    (or None), 'prompt-lookup', or a drafter folder. `block_size` and `plan`: SpecDecoder's."""
+    (or None), 'prompt-lookup', or a drafter folder. `block_size`, `plan` and `tree_budget`:
+    SpecDecoder's."""
     target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
                                  trust_remote_code=trust_remote_code)
     options = {"context_window": context_window} if context_window else {}
     if force_drafter:
         options["force"] = True
     drafter_obj = load_drafter(drafter, target_adapter, **options)
-    return SpecDecoder(target_adapter, drafter_obj, block_size, plan)
+    return SpecDecoder(target_adapter, drafter_obj, block_size, plan, tree_budget)

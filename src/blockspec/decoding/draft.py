@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.decoding.sampling import SamplingParams
+from blockspec.decoding.tree import Candidates
 
 
 @dataclass
@@ -27,6 +28,10 @@ class Draft:
     # [k, V] the exact distribution each token was sampled from, or None for
     # one-hot (deterministic) proposals.
     probs: torch.Tensor | None = None
+    # a token tree: node i's parent (-1: the anchor), parents first; None: a chain
+    parents: list[int] | None = None
+    # per-position candidates, when asked for (`DraftRequest.candidates`): what a tree is grown from
+    candidates: Candidates | None = None
 
 
 NO_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
@@ -39,6 +44,7 @@ class DraftRequest:
     num_drafts: int  # propose at most this many tokens after the anchor
     params: SamplingParams
     generator: torch.Generator | None = None  # the drafter's own random stream (sampled drafts)
+    candidates: int = 0  # > 0: also return this many best tokens per position (`Draft.candidates`)
 
 
 class Drafter(ABC):
@@ -49,6 +55,8 @@ class Drafter(ABC):
     target_layer_ids: tuple[int, ...] = ()
     #: the largest block (anchor + drafts) the drafter supports; None = any
     max_block_size: int | None = None
+    #: whether it answers `DraftRequest.candidates` (per-position distributions, for trees)
+    gives_candidates: bool = False
 
     @abstractmethod
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> None:

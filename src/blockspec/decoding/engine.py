@@ -6,9 +6,13 @@
 - plan: how many tokens each row drafts (a fixed block, or the goodput planner's choice,
   down to none: a plain step).
 - propose: every drafting row's draft in one drafter call (one pass where the drafter can).
-- verify: [anchor, drafts] of every row through the target in ONE pass (`TargetKV`).
-- commit: per row, the longest accepted prefix plus the target's bonus token; the target
-  cache keeps the anchor and the accepted drafts (the bonus is the next anchor).
+  With a tree budget, the drafter's per-position candidates grow a token tree per row
+  (`tree.py`), cut to the node count the planner chooses (or the budget).
+- verify: [anchor, drafts] of every row through the target in ONE pass (`TargetKV`; a tree
+  at depth positions under an ancestor-only mask).
+- commit: per row, the accepted drafts (a chain's longest correct prefix, a tree's path
+  the target walks) plus the target's bonus token; the target cache keeps the anchor and
+  the accepted drafts (the bonus is the next anchor), the drafter gets their features.
 
 One request is a batch of one (as in vLLM v1): `generate` streams one sequence over the
 same step. No drafter (or block size 1) is the plain autoregressive baseline through the
@@ -31,6 +35,7 @@ from blockspec.decoding.draft import NO_DRAFT, Draft, DraftRequest, Drafter
 from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token
 from blockspec.decoding.stats import GenerationStats
+from blockspec.decoding.tree import Tree, build_tree, check_budget
 from blockspec.decoding.verify import cut_after_stop, record_logprobs, verify
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.kv import SingleSequenceKV, SlotKV, TargetKV
@@ -75,13 +80,19 @@ class Row:
         return self.tokens[-1] in self.stop_ids or self.tokens_left <= 0
 
 
+TREE_TOP_K = 8  # candidates per draft position a tree is grown from
+
+
 class SpecEngine:
     def __init__(self, target, drafter: Drafter | None = None, block_size: int = 16, *, max_batch: int = 1,
-                 adaptive: bool = False, planner: DraftPlanner | None = None):
-        """`block_size`: anchor + most drafts per step. `max_batch`: rows decoded together
-        (1: the single-sequence cache, which also serves sliding-window targets). `adaptive`:
-        each step's draft counts come from `planner` (a new DraftPlanner if None), down to
-        none; otherwise every row drafts a full block every step."""
+                 adaptive: bool = False, planner: DraftPlanner | None = None, tree_budget: int | None = None):
+        """`block_size`: anchor + most drafts per step (a tree's most depth). `max_batch`: rows
+        decoded together (1: the single-sequence cache, which also serves sliding-window
+        targets). `adaptive`: each step's draft counts (and tree sizes) come from `planner`
+        (a new DraftPlanner if None), down to none; otherwise every row drafts a full block
+        (a tree of `tree_budget` nodes) every step. `tree_budget`: draft token trees of at
+        most this many nodes per row, when the drafter gives per-position candidates and
+        the target's cache can hold a tree (else chains, said in every row's stats.notes)."""
         if block_size < 1:
             raise InvalidArgumentError(f"block size must be >= 1, got {block_size}")
         if drafter is not None and drafter.max_block_size is not None and block_size > drafter.max_block_size:
@@ -94,7 +105,25 @@ class SpecEngine:
         self.max_batch = max_batch
         self.planner = (planner or DraftPlanner(self.block_size - 1)) if adaptive and drafter is not None else None
         self.layer_ids = drafter.target_layer_ids if drafter is not None else ()
-        self.kv: TargetKV = (SingleSequenceKV if max_batch == 1 else SlotKV)(target, self.layer_ids)
+        self.notes: list[str] = []  # what runs differently from what was asked (copied to every row's stats)
+        self.tree_budget = None
+        if tree_budget is not None and drafter is not None:
+            check_budget(tree_budget, target.max_context)
+            if drafter.gives_candidates:
+                self.tree_budget = tree_budget
+            else:
+                self.notes.append(f"trees: the {drafter.name} drafter gives no per-position distributions; chains")
+        if max_batch > 1:
+            self.kv: TargetKV = SlotKV(target, self.layer_ids)
+        elif self.tree_budget is not None:
+            try:  # one row on the slot cache: the one that verifies trees
+                self.kv = SlotKV(target, self.layer_ids)
+            except InvalidArgumentError as why:
+                self.tree_budget = None
+                self.notes.append(f"trees: {why}; chains")
+                self.kv = SingleSequenceKV(target, self.layer_ids)
+        else:
+            self.kv = SingleSequenceKV(target, self.layer_ids)
         self.rows: list[Row] = []
         self.waiting: list[Row] = []
 
@@ -108,6 +137,7 @@ class SpecEngine:
         row = Row(prompt, max_new_tokens, params, stop_ids, on_chunk or (lambda chunk: None),
                   on_done or (lambda stats: None), stats if stats is not None else GenerationStats(self.block_size),
                   logprobs=logprobs, top_logprobs=top_logprobs)
+        row.stats.notes += [note for note in self.notes if note not in row.stats.notes]
         self.waiting.append(row)
         return row
 
@@ -163,14 +193,16 @@ class SpecEngine:
         started = time.perf_counter()
         plan = self._plan()
         drafts = self._propose(plan)
+        predicted = self._grow_trees(drafts, plan) if self.tree_budget is not None else [None] * len(drafts)
         drafting_seconds = time.perf_counter() - started
         blocks = [[row.tokens[-1]] + draft.tokens.tolist() for row, draft in zip(self.rows, drafts)]
-        logits, features = self.kv.verify(blocks)
+        trees = [draft.parents for draft in drafts]
+        logits, features = self.kv.verify(blocks, trees if any(tree is not None for tree in trees) else None)
         finished = []
         for i, (row, draft) in enumerate(zip(self.rows, drafts)):
             try:
                 self._commit(i, row, draft, logits[i, :len(blocks[i])],
-                             None if features is None else features[i, :len(blocks[i])])
+                             None if features is None else features[i, :len(blocks[i])], predicted[i])
                 if row.ended:
                     finished.append(i)
             except Exception as error:  # this row alone fails (its sampling, its callbacks); the rest go on
@@ -237,32 +269,64 @@ class SpecEngine:
         if not drafting:
             return drafts
         requests = []
+        candidates = TREE_TOP_K if self.tree_budget is not None else 0
         for i in drafting:
             row = self.rows[i]
             row.catch_up_drafter()
-            requests.append(DraftRequest(row.drafter, torch.tensor(row.tokens), plan[i], row.params, row.generator))
+            requests.append(DraftRequest(row.drafter, torch.tensor(row.tokens), plan[i], row.params, row.generator,
+                                         candidates))
         for i, draft in zip(drafting, self.drafter.propose(requests)):
             drafts[i] = draft
         return drafts
 
-    def _commit(self, i: int, row: Row, draft: Draft, logits: torch.Tensor, features: torch.Tensor | None) -> None:
+    def _grow_trees(self, drafts: list[Draft], plan: list[int]) -> list[float | None]:
+        """Replace every draft that came with candidates by its token tree (in place), all cut
+        to one node count: the budget, or the planner's choice (0: a plain step). Returns the
+        expected accepted drafts of each tree (None for the rest), for the planner."""
+        grown = {i: build_tree(draft.candidates, self.tree_budget, plan[i])
+                 for i, draft in enumerate(drafts) if draft.candidates is not None}
+        predicted: list[float | None] = [None] * len(drafts)
+        if not grown:
+            return predicted
+        size = self.tree_budget
+        if self.planner is not None:
+            size = self.planner.tree_size(len(self.rows), [self.planner.tree_gains(self.rows[i].acceptance, tree)
+                                                           for i, tree in grown.items()])
+        for i, tree in grown.items():
+            tree = tree.first(size)
+            if not len(tree):
+                drafts[i] = NO_DRAFT
+                continue
+            drafts[i] = Draft(torch.tensor(tree.tokens, dtype=torch.long), parents=tree.parents)
+            predicted[i] = tree.expected_accepted()[-1]
+        return predicted
+
+    def _commit(self, i: int, row: Row, draft: Draft, logits: torch.Tensor, features: torch.Tensor | None,
+                predicted: float | None = None) -> None:
         """Row i's verdict on its draft, given the target's `logits` [1 + k, V] over its block."""
         drafted = draft.tokens.numel()
-        accept_length, bonus = verify(logits, draft, row.params, row.sampler, row.stats.new_tokens)
+        path, bonus = verify(logits, draft, row.params, row.sampler, row.stats.new_tokens)
+        accept_length = len(path)
         # The target keeps K/V of the anchor and the accepted drafts; the bonus token has
         # none yet: it is the next anchor, written by the next pass.
-        self.kv.keep(i, len(row.tokens) + accept_length)
-        accepted = draft.tokens[:accept_length].tolist()
+        kept = [0] + [1 + node for node in path]  # block positions
+        self.kv.keep(i, len(row.tokens) + accept_length, kept if draft.parents is not None else None)
+        accepted = draft.tokens[path].tolist()
         if row.drafter is not None:
             row.unseen_ids.append(torch.tensor([row.tokens[-1]] + accepted))
             if features is not None:  # a copy: a view would keep the whole batch's features alive
-                row.unseen_features.append(features[:accept_length + 1].clone())
-        row.stats.record_step(drafted, accept_length)
+                row.unseen_features.append(features[kept].clone())
+        # a tree's depth plays a chain's length: the draft positions the step could accept
+        depth = max(Tree(draft.tokens.tolist(), draft.parents, []).depths()) if draft.parents else drafted
+        row.stats.record_step(depth, accept_length)
+        if draft.parents is not None:
+            row.stats.tree_steps += 1
+            row.stats.tree_nodes += drafted
         if self.planner is not None:
             self.planner.age(row.acceptance)
             if drafted:
-                self.planner.observe(row.acceptance, drafted, accept_length)
-        self.commit_chunk(row, accepted + [bonus], logits)
+                self.planner.observe(row.acceptance, depth, accept_length, predicted)
+        self.commit_chunk(row, accepted + [bonus], logits[kept])
 
     @staticmethod
     def commit_chunk(row: Row, new: list[int], logits: torch.Tensor) -> None:
@@ -292,8 +356,9 @@ class BatchedSpecEngine(SpecEngine):
     draft counts planned every step for goodput."""
 
     def __init__(self, target, drafter: Drafter | None = None, block_size: int = 8, max_batch: int = 8,
-                 adaptive: bool = True, planner: DraftPlanner | None = None):
-        super().__init__(target, drafter, block_size, max_batch=max_batch, adaptive=adaptive, planner=planner)
+                 adaptive: bool = True, planner: DraftPlanner | None = None, tree_budget: int | None = None):
+        super().__init__(target, drafter, block_size, max_batch=max_batch, adaptive=adaptive, planner=planner,
+                         tree_budget=tree_budget)
 
 
 def serving_engine(target, drafter: Drafter | None, block_size: int, max_batch: int) -> tuple[SpecEngine, str | None]:

@@ -12,6 +12,12 @@ Goodput of a plan = (rows + expected accepted drafts) / (verify seconds + drafti
 - Drafting seconds: measured per step by drafted positions (rows x (1 + drafts)), bucketed
   alike: a drafter that drafts every row in one pass costs about the same for 1 or 4 rows.
 
+Token trees (the idea of CaDDTree, arXiv 2606.01813): after the drafter ran, one node count for
+every row's tree, the one that maximises the same goodput; a tree's first n nodes are
+expected to get sum(reach probability) of them accepted, scaled by how the row's trees'
+predictions compared with what the target then accepted (the drafter's marginals are not
+calibrated). The drafting is spent by then, so only verify costs weigh.
+
 Everything is measured on this machine while serving; an estimate not refreshed for
 `stale_after` steps is re-measured. A cost not measured yet is taken optimistically
 (the highest measured cost of a smaller size, else 0): so each size is tried, once, when
@@ -32,6 +38,9 @@ class AcceptanceEvidence:
 
     hits: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
+    # trees: decayed accepted drafts and what the trees' scores predicted (a prior of one each)
+    tree_accepted: float = 1.0
+    tree_predicted: float = 1.0
 
     def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         """Positions 1..accepted were accepted; position accepted + 1, if drafted, was
@@ -47,6 +56,11 @@ class AcceptanceEvidence:
     def age(self, decay: float) -> None:
         self.hits = [decay * h for h in self.hits]
         self.trials = [decay * t for t in self.trials]
+
+    @property
+    def tree_calibration(self) -> float:
+        """Accepted drafts per predicted one, in this row's recent trees."""
+        return self.tree_accepted / self.tree_predicted
 
 
 class CostTable:
@@ -121,9 +135,35 @@ class DraftPlanner:
             expected.append(total)
         return expected
 
-    def observe(self, evidence: AcceptanceEvidence, drafted: int, accepted: int) -> None:
+    def observe(self, evidence: AcceptanceEvidence, drafted: int, accepted: int, predicted: float | None = None) -> None:
+        """A step drafted `drafted` positions (a tree: its depth) and `accepted` were kept;
+        `predicted`: what the tree's scores expected."""
         evidence.observe(drafted, accepted)
         self.pooled.observe(drafted, accepted, self.pooled_decay)
+        if predicted is not None:
+            evidence.tree_accepted = self.decay * evidence.tree_accepted + accepted
+            evidence.tree_predicted = self.decay * evidence.tree_predicted + predicted
+
+    def tree_gains(self, evidence: AcceptanceEvidence, tree) -> list[float]:
+        """E[accepted drafts] of the tree's first n nodes, n = 1..len, calibrated for the row."""
+        calibration = evidence.tree_calibration
+        return [calibration * expected for expected in tree.expected_accepted()]
+
+    def tree_size(self, batch: int, gains: list[list[float]]) -> int:
+        """Nodes per tree this step (every tree cut to its first n; 0: a plain step) for a batch
+        of `batch` rows whose trees gain `gains[i][n - 1]` with n nodes. The pass is as wide as
+        its widest row, so one count serves all."""
+        most = max((len(row) for row in gains), default=0)
+        if most == 0:
+            return 0
+        verify = self.verify.estimates(self.now)
+        best_size, best_goodput = 0, _goodput(batch, verify(size_bucket(batch)))
+        for size in range(1, most + 1):
+            tokens = batch + sum(row[min(size, len(row)) - 1] for row in gains if row)
+            goodput = _goodput(tokens, verify(size_bucket(batch * (1 + size))))
+            if goodput > best_goodput:
+                best_size, best_goodput = size, goodput
+        return best_size
 
     def age(self, evidence: AcceptanceEvidence) -> None:
         """Once per step for every row: old evidence fades, so a row that stopped drafting

@@ -85,16 +85,23 @@ class TokenSampler:
 
     def uniforms(self, first_position: int, count: int, stream: int = 0) -> torch.Tensor:
         """[count] float64 uniforms in (0, 1) for positions first_position.. (independent streams)."""
+        return self.uniforms_at(range(first_position, first_position + count), stream)
+
+    def uniforms_at(self, positions, stream: int = 0) -> torch.Tensor:
+        """The uniforms of the given output positions (a tree's nodes share one per depth)."""
         values = []
-        for position in range(first_position, first_position + count):
+        for position in positions:
             bits = _mix64(_mix64(_mix64(self.seed & _MASK64) ^ position) ^ stream)
             values.append(((bits >> 11) + 0.5) / float(1 << 53))
         return torch.tensor(values, dtype=torch.float64)
 
-    def sample(self, probs: torch.Tensor, first_position: int, stream: int = 0) -> torch.Tensor:
-        """One token id per row of `probs` [n, V]; row i is output position first_position + i."""
+    def sample(self, probs: torch.Tensor, first_position: int, stream: int = 0, positions=None) -> torch.Tensor:
+        """One token id per row of `probs` [n, V]; row i is output position first_position + i,
+        or `positions[i]` when given."""
         cdf = probs.double().cumsum(-1)
-        thresholds = self.uniforms(first_position, probs.shape[0], stream).to(cdf.device) * cdf[:, -1]
+        if positions is None:
+            positions = range(first_position, first_position + probs.shape[0])
+        thresholds = self.uniforms_at(positions, stream).to(cdf.device) * cdf[:, -1]
         # the first token whose cumulative mass reaches the threshold (> 0): never a zero-probability one
         picks = torch.searchsorted(cdf, thresholds[:, None]).view(-1)
         return picks.clamp_max(probs.shape[-1] - 1)

@@ -13,6 +13,9 @@ class GenerationStats:
     accept_hist: list[int] = field(default_factory=list)  # steps by number of accepted drafts, 0..B-1
     proposed_by_pos: list[int] = field(default_factory=list)  # steps that proposed draft position k
     accepted_by_pos: list[int] = field(default_factory=list)  # steps that accepted draft position k
+    tree_nodes: int = 0  # draft nodes verified in token trees (a chain's drafts are not counted)
+    tree_steps: int = 0  # steps that verified a tree
+    notes: list[str] = field(default_factory=list)  # what ran differently from what was asked, and why
     ttft_s: float = 0.0  # prefill + first token
     decode_s: float = 0.0  # everything after the first token
     total_s: float = 0.0
@@ -59,6 +62,8 @@ class GenerationStats:
             "accept_hist": list(self.accept_hist),
             "accept_rate_by_pos": [round(rate, 4) for rate in self.accept_rate_by_pos],
             "steps": self.steps,
+            **({"tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes} if self.tree_steps else {}),
+            **({"notes": list(self.notes)} if self.notes else {}),
             "new_tokens": self.new_tokens,
             "ttft_s": round(self.ttft_s, 5),
             "tpot_s": round(self.tpot_s, 6),

@@ -13,18 +13,40 @@ import torch
 
 from blockspec.decoding.draft import Draft
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, warp_probs
+from blockspec.decoding.tree import Tree, walk
 
 
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, sampler: TokenSampler | None,
-           position: int) -> tuple[int, int]:
-    """The one verifier every path uses: (accept_length, bonus token) for `draft` given the
-    target's logits over [anchor, drafts]; `position` is the output position of the first
-    token decided (the number of tokens generated so far)."""
+           position: int) -> tuple[list[int], int]:
+    """The one verifier every path uses: (the accepted drafts' indices, in order; the bonus
+    token) for `draft` given the target's logits over [anchor, drafts]; `position` is the
+    output position of the first token decided (the number of tokens generated so far).
+    A chain's accepted drafts are its first ones; a tree's are the path the target walks."""
+    if draft.parents is not None:
+        return accept_tree(logits, draft.tokens.tolist(), draft.parents, params, sampler, position)
     if params.greedy:
-        return accept_greedy(logits, draft.tokens)
-    if draft.probs is None:
-        return accept_by_matching_samples(logits, draft.tokens, params, sampler, position)
-    return accept_rejection_sampling(logits, draft.tokens, draft.probs, params, sampler, position)
+        accept_length, bonus = accept_greedy(logits, draft.tokens)
+    elif draft.probs is None:
+        accept_length, bonus = accept_by_matching_samples(logits, draft.tokens, params, sampler, position)
+    else:
+        accept_length, bonus = accept_rejection_sampling(logits, draft.tokens, draft.probs, params, sampler, position)
+    return list(range(accept_length)), bonus
+
+
+def accept_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params: SamplingParams,
+                sampler: TokenSampler | None, position: int) -> tuple[list[int], int]:
+    """A tree, by matching the target's own choices: its argmax (T = 0), or its sample at
+    every node's output position (T > 0: nodes at one depth share that position's uniform,
+    so whichever node the walk reaches, its token is exactly what plain sampling draws after
+    that prefix). The walk keeps a node only if it IS the target's choice after its parent,
+    so every committed token is the target's: lossless for any tree."""
+    if params.greedy:
+        target_next = logits.argmax(-1).tolist()
+    else:
+        depths = [0] + Tree(tokens, parents, []).depths()
+        target_next = sampler.sample(warp_probs(logits, params), position,
+                                     positions=[position + depth for depth in depths]).tolist()
+    return walk(tokens, parents, target_next)
 
 
 def cut_after_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:

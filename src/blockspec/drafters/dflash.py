@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.decoding.sampling import sample, warp_probs
 from blockspec.decoding.draft import Draft, DraftRequest
+from blockspec.decoding.tree import Candidates
 from blockspec.drafters.base import TargetBoundDrafter, on_target_vocabulary, stack_padded
 from blockspec.drafters.checkpoint import DraftCheckpoint, fit_problems
 from blockspec.drafters.layers import SwiGLU, apply_rope, layer_shape, rope_cos_sin, rope_inverse_frequencies
@@ -229,6 +230,7 @@ class DFlashDraftModel(DraftCheckpoint, nn.Module):
 
 class DFlashDrafter(TargetBoundDrafter):
     name = "dflash"
+    gives_candidates = True  # one pass gives every position's distribution: trees (DDTree)
 
     def __init__(self, model: DFlashDraftModel, target, *, context_window: int | None = None,
                  sample_drafts: bool = False, force: bool = False):
@@ -272,10 +274,17 @@ class DFlashDrafter(TargetBoundDrafter):
         hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
         return self.head_logits(hidden[0, 1:])
 
-    def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
+    def _draft(self, logits: torch.Tensor, request: DraftRequest) -> Draft:
+        params = request.params
+        if request.candidates:  # a tree will be grown: the best tokens of every position, deterministic
+            # at T > 0 from the distribution the target samples with (temperature, top-k, top-p)
+            logprobs = torch.log_softmax(logits.float(), -1) if params.greedy else warp_probs(logits, params).log()
+            best = logprobs.topk(min(request.candidates, logprobs.shape[-1]), dim=-1)
+            candidates = Candidates(self.to_target_ids(best.indices).cpu(), best.values.cpu())
+            return Draft(tokens=candidates.ids[:, 0].clone(), candidates=candidates)
         if self.sample_drafts and not params.greedy:
             probs = warp_probs(logits, params)
-            tokens = sample(probs, generator)
+            tokens = sample(probs, request.generator)
             probs = on_target_vocabulary(probs, self.target.vocab_size, self._d2t)
             return Draft(tokens=self.to_target_ids(tokens).cpu(), probs=probs.cpu())
         return Draft(tokens=self.to_target_ids(logits.argmax(-1)).cpu())
@@ -292,7 +301,7 @@ class DFlashDrafter(TargetBoundDrafter):
             block = torch.full((request.num_drafts + 1,), self.mask_token_id, dtype=torch.long)
             block[0] = request.token_ids[-1]
             logits = forks[0].block_logits(block, request.token_ids.numel() - 1)
-            return [forks[0]._draft(logits, request.params, request.generator)]
+            return [forks[0]._draft(logits, request)]
         width = 1 + max(request.num_drafts for request in requests)
         blocks = torch.full((len(forks), width), self.mask_token_id, dtype=torch.long)
         positions = torch.zeros(len(forks), width, dtype=torch.long)
@@ -311,7 +320,7 @@ class DFlashDrafter(TargetBoundDrafter):
                       for layer in range(len(self.model.layers))]
         hidden = self.model(self.target.embed(blocks.to(device)), positions.to(device), context_kv, allowed.to(device))
         logits = self.head_logits(hidden[:, 1:])
-        return [fork._draft(logits[row, :request.num_drafts], request.params, request.generator)
+        return [fork._draft(logits[row, :request.num_drafts], request)
                 for row, (fork, request) in enumerate(zip(forks, requests))]
 
     def accept(self, committed_ids, committed_features) -> None:

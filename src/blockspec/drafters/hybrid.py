@@ -7,7 +7,11 @@ a prior of one token). Prompt lookup is free, so its score is kept up to date ev
 also when the model drafted (what lookup would have proposed is checked against what was
 committed). The model's score moves only when it drafts. Lookup drafts when it has a
 continuation and scores at least the model; otherwise the model drafts, and its pass is
-then skipped for that sequence. How many tokens a proposal was worth is read from the
+then skipped for that sequence. When a token tree is asked for (the model gives
+per-position candidates), the model always drafts and the lookup continuation joins its
+tree as a branch, each of its tokens right with probability E / (1 + E) for lookup's
+score E (a geometric run of that mean): the tree then spends nodes on it only where it
+is likelier than the model's own paths. How many tokens a proposal was worth is read from the
 committed tokens at the next proposal: the longest prefix of the draft they repeat is
 exactly what the verifier accepted (a rejected draft token is never the target's token).
 """
@@ -15,6 +19,7 @@ exactly what the verifier accepted (a rejected draft token is never the target's
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +54,7 @@ class HybridDrafter(Drafter):
         self.name = f"hybrid({model.name}+{self.lookup.name})"
         self.target_layer_ids = model.target_layer_ids
         self.max_block_size = model.max_block_size
+        self.gives_candidates = model.gives_candidates
         self._reset_scores()
 
     def _reset_scores(self) -> None:
@@ -86,15 +92,21 @@ class HybridDrafter(Drafter):
             fork._score_last(request.token_ids)
             lookup = fork.lookup.propose_one(request)
             proposals.append({"lookup": lookup.tokens} if lookup.tokens.numel() else {})
-            use_lookup = bool(proposals[i]) and fork.scores["lookup"].expected >= fork.scores["model"].expected
+            use_lookup = (bool(proposals[i]) and not request.candidates
+                          and fork.scores["lookup"].expected >= fork.scores["model"].expected)
             fork.last_source = "lookup" if use_lookup else "model"
             if use_lookup:
                 drafts[i] = lookup
         by_model = [i for i, draft in enumerate(drafts) if draft is None]
         if by_model:  # every sequence the model drafts for, in one call (one pass where it can)
             inner = [DraftRequest(requests[i].sequence.model, requests[i].token_ids, requests[i].num_drafts,
-                                  requests[i].params, requests[i].generator) for i in by_model]
+                                  requests[i].params, requests[i].generator, requests[i].candidates)
+                     for i in by_model]
             for i, draft in zip(by_model, self.model.propose(inner)):
+                if draft.candidates is not None and "lookup" in proposals[i]:
+                    expected = requests[i].sequence.scores["lookup"].expected
+                    right = min(max(expected / (1 + expected), 0.05), 0.95)
+                    draft.candidates.branches.append((proposals[i]["lookup"], math.log(right)))
                 drafts[i], proposals[i]["model"] = draft, draft.tokens
         for request, proposed in zip(requests, proposals):
             request.sequence._last = (request.token_ids.numel() - 1, proposed)

@@ -3,7 +3,7 @@
 One worker thread owns the model. Running requests decode TOGETHER (batched
 speculative decoding: one target pass per step for all of them, new ones admitted
 between steps); requests beyond the batch wait in a bounded queue (full: HTTP 429).
-Targets with sliding-window layers decode one request at a time. The HTTP side
+Targets with attention other than full or sliding-window decode one request at a time. The HTTP side
 (FastAPI + uvicorn) only validates, tokenizes, queues and relays. Each request's
 chunks go back through an asyncio queue, so a streaming client sees text as soon as
 the engine commits it. A client that disconnects, or a request past its deadline, is

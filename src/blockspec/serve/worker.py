@@ -1,9 +1,10 @@
 """The worker: one thread that owns the decoding engine, fed by a bounded queue of Jobs.
 
-Every job is a row of the one engine (`blockspec.decoding.engine`). With a full-attention
-target, jobs decode TOGETHER (BatchedSpecEngine: one target pass per step for every
-running job, new jobs admitted between steps, only while the batch has room); otherwise
-(e.g. sliding-window layers, or --max-batch 1) the engine holds one row at a time and
+Every job is a row of the one engine (`blockspec.decoding.engine`). Jobs decode TOGETHER
+(BatchedSpecEngine: one target pass per step for every running job, new jobs admitted
+between steps, only while the batch has room), sliding-window targets included (their
+windows live in the slot cache's mask); where the slot cache cannot serve the target
+(other attention kinds), or with --max-batch 1, the engine holds one row at a time and
 the others wait in arrival order.
 Cancellation (the client left) and deadlines are checked between two engine steps. A
 request's failure fails it alone, never the worker. Each job's events go back to its

@@ -6,12 +6,14 @@ One protocol, two backends:
 - `SingleSequenceKV`: one row on the adapter's own cache, rolled back by cropping. The
   only one that handles sliding-window layers (Gemma 3): they keep the tokens since the
   last rollback, and this backend rolls back after every pass.
-- `SlotKV`: many rows in one batch cache (continuous batching). The stock `DynamicCache`
-  crops the whole batch to one length, so rows share one slot axis and a per-row mask of
-  valid slots instead: a verify pass appends the same number of slots to every row;
-  afterwards only a row's kept tokens stay valid, the rest become holes the mask hides
-  (keys are rotated at their own positions when written, so where a slot sits does not
-  matter). When holes are most of the cache it is compacted. Full-attention targets only.
+- `SlotKV`: many rows in one batch cache (continuous batching), and token trees. The stock
+  `DynamicCache` crops the whole batch to one length, so rows share one slot axis and a
+  per-row mask of valid slots instead: a verify pass appends the same number of slots to
+  every row; afterwards only a row's kept tokens stay valid (a tree's: its accepted path),
+  the rest become holes the mask hides (keys are rotated at their own positions when
+  written, so where a slot sits does not matter). When holes are most of the cache it is
+  compacted. Sliding-window layers (Gemma 3) keep every token here and the window lives in
+  their mask instead (from each slot's position), passed per layer type.
 
 Row i of every call is the engine's row i; `drop` removes one and later rows move up.
 """
@@ -23,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from blockspec.decoding.tree import Tree, ancestor_mask
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import TargetAdapter, target_features
 from blockspec.targets.cache import GrowingLayer, new_cache, replace_states
@@ -35,14 +38,19 @@ class TargetKV(Protocol):
         """Add a row holding `prompt` [n]; returns the logits after it [V] (float32) and its
         features [n, F] (None without feature layers). On failure no row was added."""
 
-    def verify(self, blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, blocks: list[list[int]], trees: list[list[int] | None] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `blocks[i]` at the next positions of row i, every row in ONE pass. Returns
         logits [rows, width, V] (float32) and features [rows, width, F]; position j of a
-        row's block is row j of its output, positions past its block are padding."""
+        row's block is row j of its output, positions past its block are padding.
+        `trees[i]`, when given, makes row i's block [anchor] + a token tree: the parent of
+        each node (-1: the anchor); a node sits at anchor + its depth and sees only its
+        ancestors (`supports_trees` backends only)."""
 
-    def keep(self, row: int, length: int) -> None:
-        """After `verify`: row `row` keeps its first `length` tokens (its previous tokens and
-        the accepted start of its block); called for every row after every pass."""
+    def keep(self, row: int, length: int, kept: list[int] | None = None) -> None:
+        """After `verify`: row `row` keeps `length` tokens: its previous tokens and, of its
+        block, the first ones (a chain) or the block positions `kept` (a tree's anchor and
+        accepted path). Called for every row after every pass."""
 
     def drop(self, row: int) -> None:
         """Remove a row (finished, cancelled or failed)."""
@@ -53,6 +61,7 @@ class TargetKV(Protocol):
 
 class SingleSequenceKV:
     max_rows = 1
+    supports_trees = False
 
     def __init__(self, target: TargetAdapter, layer_ids: tuple[int, ...] = ()):
         self.target, self.layer_ids = target, layer_ids
@@ -67,12 +76,14 @@ class SingleSequenceKV:
         self.rows = 1
         return out.logits[-1], out.features
 
-    def verify(self, blocks):
+    def verify(self, blocks, trees=None):
+        if trees is not None and any(tree is not None for tree in trees):
+            raise InvalidArgumentError("the single-sequence cache verifies chains only")
         (block,) = blocks
         out = self.target.forward(torch.tensor(block), self.layer_ids)
         return out.logits[None], None if out.features is None else out.features[None]
 
-    def keep(self, row, length):
+    def keep(self, row, length, kept=None):
         self.target.rollback(length)
 
     def drop(self, row):
@@ -85,19 +96,46 @@ class SingleSequenceKV:
 
 class SlotKV:
     max_rows = None
+    supports_trees = True
 
     def __init__(self, target: TargetAdapter, layer_ids: tuple[int, ...] = ()):
-        probe = new_cache(target.model.config)
-        if any(not isinstance(layer, GrowingLayer) for layer in probe.layers):
-            raise InvalidArgumentError("batched decoding needs a target whose layers all use full attention")
+        config = target.model.config
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        # windows in the mask need a model that takes one mask per layer type (transformers'
+        # models with sliding layers do); anything else (chunked, linear attention) is refused
+        self.window = getattr(config, "sliding_window", None) if "sliding_attention" in layer_types else None
+        if not layer_types <= {"full_attention", "sliding_attention"} or (
+                "sliding_attention" in layer_types and not self.window):
+            raise InvalidArgumentError(
+                f"the slot cache (batches, trees) needs full or sliding-window attention layers, not {sorted(layer_types)}")
         self.target, self.layer_ids = target, layer_ids
         self.reset()
 
     def reset(self):
         self.cache = None
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]: which slots a row may attend
+        self.slot_positions = torch.zeros(0, 0, dtype=torch.long)  # [rows, slots]: each slot's position (windows)
         self.lengths: list[int] = []  # tokens each row holds (= its valid slots)
         self._block_start = 0  # first slot of the last verify pass
+
+    def _new_cache(self):
+        cache = new_cache(self.target.model.config)
+        cache.layers = [layer if isinstance(layer, GrowingLayer) else GrowingLayer() for layer in cache.layers]
+        return cache
+
+    def _mask(self, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        """The attention mask for `allowed` [rows, queries, keys]: an additive float mask (what
+        every attention implementation reads the same way), per layer type with windows."""
+        dtype, device = self.target.dtype, self.target.device
+
+        def additive(where: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(where.shape, dtype=dtype).masked_fill(~where, torch.finfo(dtype).min)[:, None].to(device)
+
+        if self.window is None:
+            return additive(allowed)
+        # transformers' window: a query sees the keys less than `sliding_window` positions back
+        in_window = query_positions[:, :, None] - key_positions[:, None, :] < self.window
+        return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
 
     def _run(self, ids, cache, **kwargs):
         out = self.target.model(input_ids=ids.to(self.target.device), cache=cache, use_cache=True,
@@ -106,8 +144,12 @@ class SlotKV:
         return out.logits.float(), features
 
     def prefill(self, prompt):
-        single = new_cache(self.target.model.config)
-        logits, features = self._run(prompt[None], single, logits_to_keep=1)
+        single = self._new_cache()
+        length = prompt.numel()
+        positions = torch.arange(length)[None]
+        mask = {} if self.window is None else {
+            "attention_mask": self._mask(torch.ones(length, length, dtype=torch.bool).tril()[None], positions, positions)}
+        logits, features = self._run(prompt[None], single, logits_to_keep=1, **mask)
         self._append_row(single, prompt.numel())  # the batch is untouched until here
         return logits[0, -1], None if features is None else features[0]
 
@@ -116,6 +158,7 @@ class SlotKV:
         self.lengths.append(length)
         if self.cache is None:
             self.cache, self.valid = single, torch.ones(1, length, dtype=torch.bool)
+            self.slot_positions = torch.arange(length)[None]
             return
         width = max(self.valid.shape[1], length)
         self._grow_width(width)
@@ -124,6 +167,7 @@ class SlotKV:
             values = F.pad(theirs.values, (0, 0, 0, width - length))
             replace_states(mine, torch.cat([mine.keys, keys]), torch.cat([mine.values, values]))
         self.valid = torch.cat([self.valid, (torch.arange(width) < length)[None]])
+        self.slot_positions = torch.cat([self.slot_positions, F.pad(torch.arange(length), (0, width - length))[None]])
 
     def _grow_width(self, width: int) -> None:
         extra = width - self.valid.shape[1]
@@ -132,35 +176,41 @@ class SlotKV:
         for layer in self.cache.layers:
             replace_states(layer, F.pad(layer.keys, (0, 0, 0, extra)), F.pad(layer.values, (0, 0, 0, extra)))
         self.valid = F.pad(self.valid, (0, extra))
+        self.slot_positions = F.pad(self.slot_positions, (0, extra))
 
-    def verify(self, blocks):
+    def verify(self, blocks, trees=None):
         self._compact_if_sparse()
         batch, width = len(blocks), max(len(block) for block in blocks)
         ids = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
-        query_valid = torch.zeros(batch, width, dtype=torch.bool)
+        # a query sees its row's block up to itself (a tree: its ancestors); padding queries
+        # see only themselves (no empty row)
+        new_part = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
         for i, (block, start) in enumerate(zip(blocks, self.lengths)):
-            ids[i, :len(block)], ids[i, len(block):] = torch.tensor(block), block[0]
-            positions[i, :len(block)] = torch.arange(start, start + len(block))
-            positions[i, len(block):] = start + len(block) - 1  # padding never runs past the row's real positions
-            query_valid[i, :len(block)] = True
+            tree = trees[i] if trees is not None else None
+            size = len(block)
+            ids[i, :size], ids[i, size:] = torch.tensor(block), block[0]
+            if tree is None:
+                positions[i, :size] = torch.arange(start, start + size)
+                new_part[i, :size, :size] = torch.ones(size, size, dtype=torch.bool).tril()
+            else:
+                positions[i, :size] = start + torch.tensor([0] + Tree(block[1:], tree, []).depths())
+                new_part[i, :size, :size] = ancestor_mask(tree)
+            positions[i, size:] = positions[i, :size].max()  # padding never runs past the row's real positions
         old = self.valid.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        new_part = causal[None] & query_valid[:, None, :]  # a query sees its row's block up to itself
-        new_part |= torch.eye(width, dtype=torch.bool)[None]  # padding queries see themselves (no empty row)
-        allowed = torch.cat([self.valid[:, None, :].expand(batch, width, old), new_part], dim=2)[:, None]
-        # an additive float mask: what every attention implementation (sdpa, eager) reads the same way
-        dtype = self.target.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        allowed = torch.cat([self.valid[:, None, :].expand(batch, width, old), new_part], dim=2)
+        key_positions = torch.cat([self.slot_positions, positions], dim=1)
         logits, features = self._run(ids, self.cache, position_ids=positions.to(self.target.device),
-                                     attention_mask=mask.to(self.target.device))
+                                     attention_mask=self._mask(allowed, positions, key_positions))
         self._block_start = old
         self.valid = F.pad(self.valid, (0, width))  # the new slots stay holes until kept
+        self.slot_positions = key_positions
         return logits, features
 
-    def keep(self, row, length):
-        accepted = length - self.lengths[row]
-        self.valid[row, self._block_start:self._block_start + accepted] = True
+    def keep(self, row, length, kept=None):
+        if kept is None:
+            kept = range(length - self.lengths[row])
+        self.valid[row, [self._block_start + index for index in kept]] = True
         self.lengths[row] = length
 
     def drop(self, row):
@@ -171,6 +221,7 @@ class SlotKV:
             return
         self.cache.batch_select_indices(keep)
         self.valid = self.valid[keep]
+        self.slot_positions = self.slot_positions[keep]
 
     def _compact_if_sparse(self) -> None:
         """Gather each row's valid slots to the front once holes are most of the cache."""
@@ -187,3 +238,4 @@ class SlotKV:
             replace_states(layer, keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3])),
                            values.gather(2, index.expand(-1, values.shape[1], -1, values.shape[3])))
         self.valid = torch.arange(width)[None, :] < counts[:, None]
+        self.slot_positions = self.slot_positions.gather(1, order)

@@ -1,0 +1,249 @@
+"""Token trees (DDTree): the best-first tree, its mask and walk; T = 0 token identity and
+T > 0 exactness of tree decoding on every architecture (sliding windows included), alone
+and batched; EOS, budgets and budgets as chains have them (stop strings: test_real_target.py); bad budgets."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockspec.decoding.engine import BatchedSpecEngine, SpecEngine
+from blockspec.decoding.sampling import SamplingParams
+from blockspec.decoding.stats import GenerationStats
+from blockspec.decoding.tree import Candidates, ancestor_mask, build_tree, walk
+from blockspec.errors import InvalidArgumentError
+from conftest import ARCHITECTURES, TreeOracleDrafter, assert_same_or_near_tie, hf_greedy, tiny_target
+from test_lossless_greedy import EOS, MAX_NEW, PROMPTS, make_drafter, reference, target_for
+from test_sampling_exact import BLOCK, VOCAB, assert_same_distribution, dflash, empirical_joint, exact_joint
+
+
+# --- the tree itself ----------------------------------------------------------------------
+
+def candidates(probabilities: list[list[float]], ids: list[list[int]] | None = None) -> Candidates:
+    probs = torch.tensor(probabilities)
+    ids = torch.tensor(ids) if ids is not None else torch.arange(probs.shape[1]).expand_as(probs) + 10
+    return Candidates(ids.clone(), probs.log())
+
+
+def all_paths(cands: Candidates, max_depth: int) -> dict[tuple[int, ...], float]:
+    """Every token path of the k-best enumeration and its log-score (brute force)."""
+    paths = {}
+    for depth in range(1, max_depth + 1):
+        for ranks in itertools.product(range(cands.ids.shape[1]), repeat=depth):
+            tokens = tuple(int(cands.ids[d, r]) for d, r in enumerate(ranks))
+            score = sum(float(cands.logprobs[d, r]) for d, r in enumerate(ranks))
+            paths[tokens] = max(paths.get(tokens, -math.inf), score)
+    return paths
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 20), st.integers(0, 10_000))
+def test_best_first_tree_holds_the_best_paths(depth, top_k, budget, seed):
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.rand(depth, top_k, generator=generator).sort(dim=-1, descending=True).values
+    probs = probs / probs.sum(-1, keepdim=True)
+    cands = Candidates(torch.randint(0, 3, (depth, top_k), generator=generator), probs.log())
+    tree = build_tree(cands, budget, max_depth=depth)
+    paths = all_paths(cands, depth)
+    assert len(tree) == min(budget, len(paths))
+    assert all(parent < node for node, parent in enumerate(tree.parents))  # parents first
+    assert tree.scores == sorted(tree.scores, reverse=True)  # best first: any prefix is a tree of the best nodes
+    seen = set()
+    for node in range(len(tree)):
+        path, at = [], node
+        while at >= 0:
+            path.append(tree.tokens[at])
+            at = tree.parents[at]
+        path = tuple(reversed(path))
+        assert path not in seen and math.isclose(tree.scores[node], paths[path], abs_tol=1e-5)
+        seen.add(path)
+    # no path outside the tree scores more than the worst inside it
+    if len(tree) < len(paths):
+        outside = max(score for path, score in paths.items() if path not in seen)
+        assert outside <= min(tree.scores) + 1e-6
+
+
+def test_chain_of_top_one_and_budget_and_depth_limits():
+    cands = candidates([[0.9, 0.08, 0.02]] * 4)
+    assert build_tree(cands, 4, max_depth=4).tokens == [10, 10, 10, 10]  # 0.9^4 > 0.08: a sure drafter's tree is its chain
+    assert build_tree(candidates([[0.6, 0.3, 0.1]] * 4), 4, max_depth=4).parents == [-1, 0, -1, 1]  # 0.3 > 0.6^3
+    tree = build_tree(cands, 50, max_depth=2)
+    assert len(tree) == 3 + 9 and max(tree.depths()) == 2
+    assert len(build_tree(cands, 5, max_depth=0)) == 0
+
+
+def test_branches_join_the_tree_and_merge_where_they_coincide():
+    cands = candidates([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], ids=[[1, 2], [3, 4], [5, 6]])
+    cands.branches.append((torch.tensor([1, 3, 9]), math.log(0.9)))
+    tree = build_tree(cands, 6, max_depth=3)
+    # the branch is likelier than the model's paths: its three nodes come first; [1, 3] is shared
+    assert tree.tokens[:3] == [1, 3, 9] and tree.parents[:3] == [-1, 0, 1]
+    assert len(set(zip(tree.parents, tree.tokens))) == len(tree)  # no duplicate node
+
+
+def test_ancestor_mask_and_walk():
+    #        anchor
+    #       /      \
+    #    0:a        1:b
+    #    /  \
+    #  2:c  3:d
+    tokens, parents = [11, 12, 13, 14], [-1, -1, 0, 0]
+    mask = ancestor_mask(parents)
+    assert mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 0, 1]]
+    # target_next per block position [anchor, a, b, c, d]
+    assert walk(tokens, parents, [11, 14, 0, 0, 7]) == ([0, 3], 7)
+    assert walk(tokens, parents, [12, 0, 5, 0, 0]) == ([1], 5)
+    assert walk(tokens, parents, [99, 0, 0, 0, 0]) == ([], 99)
+
+
+# --- T = 0: token-identical to greedy decoding ----------------------------------------------
+
+def tree_drafter(kind, target, prompt, ref):
+    if kind == "tree-oracle":
+        return TreeOracleDrafter(list(prompt) + ref, vocab_size=target.vocab_size)
+    if kind == "hybrid-tree":  # the lookup continuation joins the oracle's tree
+        from blockspec.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(TreeOracleDrafter(list(prompt) + ref, vocab_size=target.vocab_size))
+    return make_drafter(kind, target, prompt, ref)
+
+
+def run_tree(target, drafter, prompt, *, budget=10, block=8, max_new=MAX_NEW, stop=EOS, planned=False, stats=None):
+    engine = SpecEngine(target, drafter, block, adaptive=planned, tree_budget=budget)
+    out = [t for chunk in engine.generate(prompt, max_new_tokens=max_new, stop_token_ids=stop, stats=stats)
+           for t in chunk]
+    return out, engine
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["tree-oracle", "dflash", "dflash-reduced-vocab", "hybrid-tree"])
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("prompt_name", list(PROMPTS))
+def test_tree_greedy_identity(arch, kind, planned, prompt_name):
+    target = target_for(arch)
+    prompt, ref = PROMPTS[prompt_name], reference(arch, prompt_name)
+    stats = GenerationStats(8)
+    ours, engine = run_tree(target, tree_drafter(kind, target, prompt, ref), prompt, planned=planned, stats=stats)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+    assert engine.tree_budget == 10 and not stats.notes
+    if len(ref) > 1:  # (a reference may end at its first token: no step)
+        assert stats.tree_steps > 0 and stats.tree_nodes >= stats.tree_steps
+
+
+def test_trees_accept_more_than_chains_from_the_same_candidates():
+    target = target_for("llama")
+    prompt, ref = PROMPTS["len6"], reference("llama", "len6")
+    chain, tree = GenerationStats(8), GenerationStats(8)
+    run_tree(target, TreeOracleDrafter(prompt + ref), prompt, budget=None, stats=chain)
+    run_tree(target, TreeOracleDrafter(prompt + ref), prompt, budget=24, stats=tree)
+    assert chain.tree_steps == 0 and tree.tau > chain.tau
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_trees_equal_greedy_decoding_alone(arch):
+    target = target_for(arch)
+    prompts = [PROMPTS["len6"], PROMPTS["len23"], [60, 61, 62, 60, 61, 62, 60]]
+    references = [hf_greedy(target.model, p, 30, EOS) for p in prompts]
+    drafter = TreeOracleDrafter(prompts[1] + references[1], vocab_size=target.vocab_size)  # wrong for the others
+    engine = BatchedSpecEngine(target, drafter, block_size=6, max_batch=2, tree_budget=8)
+    outputs = []
+    for prompt in prompts:
+        out = []
+        engine.add(prompt, max_new_tokens=30, stop_token_ids=EOS, on_chunk=out.extend)
+        outputs.append(out)
+    engine.run()
+    for prompt, out, ref in zip(prompts, outputs, references):
+        assert_same_or_near_tie(target.model, prompt, out, ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eos_inside_a_branch_ends_the_output_there(arch):
+    target = target_for(arch)
+    prompt = PROMPTS["len6"]
+    free = reference(arch, "len6", 60, (-1,))
+    index = next(i for i in range(5, len(free)) if free[i] not in free[:i])
+    eos = (free[index],)
+    expected = hf_greedy(target.model, prompt, 60, eos)
+    drafter = TreeOracleDrafter(prompt + free, miss_prob=0.0, vocab_size=target.vocab_size)
+    ours, _ = run_tree(target, drafter, prompt, max_new=60, stop=eos)
+    assert_same_or_near_tie(target.model, prompt, ours, expected)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_max_new_tokens_inside_a_tree(max_new):
+    target = target_for("qwen3")
+    prompt = PROMPTS["len6"]
+    free = reference("qwen3", "len6", 60, (-1,))
+    drafter = TreeOracleDrafter(prompt + free, miss_prob=0.0, vocab_size=target.vocab_size)
+    ours, _ = run_tree(target, drafter, prompt, budget=20, max_new=max_new, stop=(-1,))
+    assert ours == free[:max_new]
+
+
+# --- T > 0: exactly the target's distribution ------------------------------------------------
+
+@pytest.mark.parametrize("params, planned", [(SamplingParams(temperature=1.0), False),
+                                             (SamplingParams(temperature=0.8, top_k=6, top_p=0.9), True)])
+def test_tree_output_distribution_is_the_targets(params, planned):
+    target = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
+    engine = SpecEngine(target, dflash(target, sample_drafts=False), BLOCK, adaptive=planned, tree_budget=5)
+    counts = empirical_joint(engine, params)
+    assert_same_distribution(counts, exact_joint(target, params))
+
+
+def test_hybrid_tree_output_distribution_is_the_targets():
+    from blockspec.drafters.hybrid import HybridDrafter
+
+    target = tiny_target("gemma3", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
+    engine = SpecEngine(target, HybridDrafter(dflash(target, sample_drafts=False)), BLOCK, tree_budget=4)
+    params = SamplingParams(temperature=1.0)
+    assert_same_distribution(empirical_joint(engine, params), exact_joint(target, params))
+
+
+def test_seeded_tree_sampling_equals_plain_sampling():
+    """Nodes of one depth share that output position's uniform: a seeded request gives
+    plain sampling's exact tokens through a tree."""
+    target = tiny_target("qwen3")
+    params = SamplingParams(temperature=0.9, seed=1234)
+    plain = [t for c in SpecEngine(target, None).generate(PROMPTS["len6"], max_new_tokens=30, params=params) for t in c]
+    drafter = TreeOracleDrafter(PROMPTS["len6"] + plain, vocab_size=target.vocab_size)
+    engine = SpecEngine(target, drafter, 8, tree_budget=10)
+    stats = GenerationStats(8)
+    ours = [t for c in engine.generate(PROMPTS["len6"], max_new_tokens=30, params=params, stats=stats) for t in c]
+    assert ours == plain and stats.tau > 1.5
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget, message", [(0, ">= 1"), (-3, ">= 1"), (10 ** 9, "context")])
+def test_bad_budgets_are_clear_errors(budget, message):
+    target = target_for("llama")
+    with pytest.raises(InvalidArgumentError, match=message):
+        SpecEngine(target, make_drafter("dflash", target, [], []), 8, tree_budget=budget)
+
+
+def test_a_drafter_without_distributions_drafts_chains_and_says_so():
+    target = target_for("llama")
+    prompt, ref = PROMPTS["len6"], reference("llama", "len6")
+    stats = GenerationStats(8)
+    ours, engine = run_tree(target, make_drafter("prompt-lookup", target, prompt, ref), prompt, stats=stats)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+    assert engine.tree_budget is None and stats.tree_steps == 0
+    assert any("no per-position distributions" in note for note in stats.notes)
+
+
+def test_tree_slots_off_the_path_become_holes_and_compaction_keeps_outputs():
+    target = target_for("llama")
+    prompt = PROMPTS["len23"]
+    ref = hf_greedy(target.model, prompt, 80, (-1,))
+    stats = GenerationStats(8)
+    ours, engine = run_tree(target, TreeOracleDrafter(prompt + ref), prompt, budget=30, max_new=80, stop=(-1,),
+                            stats=stats)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+    assert stats.tree_nodes > 3 * (stats.new_tokens - 1)  # most nodes were holes, so compaction ran
+    assert np.isfinite(stats.tau)
