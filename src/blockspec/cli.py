@@ -8,6 +8,7 @@ import os
 import sys
 
 from blockspec import __version__
+from blockspec.defaults import DEFAULT_TREE_BUDGET
 from blockspec.errors import BlockspecError
 
 
@@ -49,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the most tokens (anchor + drafts) a step verifies (default: the drafter's, at most 16); "
                           "each step drafts what pays on this machine, down to none")
     gen.add_argument("--fixed-block", action="store_true",
-                     help="draft a full block every step (the fixed-length chain) instead of planning each step")
+                     help="draft a full block (or tree) every step instead of planning each step")
+    gen.add_argument("--tree-budget", type=int, default=DEFAULT_TREE_BUDGET,
+                     help="verify token trees (DDTree) of at most this many drafted nodes per step, where the "
+                          f"drafter gives per-position distributions (default {DEFAULT_TREE_BUDGET}; the planner "
+                          "picks each step's count)")
+    gen.add_argument("--chain", action="store_true", help="draft one chain per step, not a token tree")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -148,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=_positive_int, default=8,
                        help="requests decoded together in one target pass per step (1: one at a time)")
     serve.add_argument("--threads", type=_positive_int, default=None)
+    serve.add_argument("--tree-budget", type=_positive_int, default=None,
+                       help="verify token trees of at most this many nodes per request and step (batched; the planner "
+                            "picks the count); default: chains")
     serve.set_defaults(run=_serve)
 
     serving = commands.add_parser("bench-serve", help="batched serving throughput at several concurrency levels, "
@@ -163,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--dataset", default="gsm8k")
     serving.add_argument("--data-dir", default=None)
     serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--tree-budget", type=_positive_int, default=None, help="as for serve (default: chains)")
     serving.add_argument("--output", default="runs/bench-serve")
     serving.set_defaults(run=_bench_serve)
 
@@ -238,6 +248,9 @@ def _generate(args) -> int:
     # Check what needs no model before loading one: bad input fails in milliseconds.
     if args.block_size is not None and args.block_size < 1:
         raise blockspec.InvalidArgumentError(f"block size must be >= 1, got {args.block_size}")
+    if args.tree_budget < 1:
+        raise blockspec.InvalidArgumentError(f"tree node budget must be >= 1, got {args.tree_budget} "
+                                             "(--chain drafts chains)")
     if args.max_new_tokens < 1:
         raise blockspec.InvalidArgumentError(f"max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if (args.prompt is None) == (args.input is None):
@@ -250,6 +263,7 @@ def _generate(args) -> int:
             raise blockspec.InvalidArgumentError("diffusion mode takes one prompt, not --input")
         return _generate_diffusion(args, params)
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, plan=not args.fixed_block,
+                             tree_budget=None if args.chain else args.tree_budget,
                              device=args.device, dtype=args.dtype, threads=args.threads,
                              trust_remote_code=args.trust_remote_code, context_window=args.context_window,
                              force_drafter=args.force_drafter)
@@ -308,7 +322,7 @@ def _generate_diffusion(args, params) -> int:
     print("blockspec: diffusion mode is LOSSY: the text is the drafter's, not the target's "
           "(no verification); use it only where that is acceptable", file=sys.stderr)
     drafter = "auto" if args.drafter == "hybrid" else args.drafter  # the default: diffusion needs the DFlash drafter alone
-    decoder = blockspec.load(args.target, drafter, block_size=args.block_size, device=args.device,
+    decoder = blockspec.load(args.target, drafter, block_size=args.block_size, device=args.device, tree_budget=None,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
                              force_drafter=args.force_drafter)
     diffusion = DiffusionDecoder(decoder.target, decoder.drafter, args.block_size, args.diffusion_steps,
@@ -431,7 +445,8 @@ def _serve(args) -> int:
     # a server bound elsewhere without a key is open by choice (warned above)
     allowed_hosts = ("127.0.0.1", "localhost", "[::1]", "::1") if loopback else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads)
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads,
+                             tree_budget=args.tree_budget)
     config = ServerConfig(model_name=args.model_name or args.target, api_key=api_key, max_queue=args.max_queue,
                           request_timeout_s=args.request_timeout, max_batch=args.max_batch,
                           max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts)
@@ -455,15 +470,15 @@ def _bench_serve(args) -> int:
         raise BlockspecError(f"--concurrency takes integers like 1,2,4,8, got {args.concurrency!r}") from None
     if not levels or min(levels) < 1:
         raise BlockspecError("--concurrency levels must be >= 1")
-    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size)
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, tree_budget=args.tree_budget)
     if decoder.drafter is None:
         raise BlockspecError("bench-serve compares a drafter with the plain batched loop: pass --drafter")
     prompts = [decoder.target.encode_prompt(p.turns[0])
                for p in load_prompts(args.dataset, args.data_dir, args.requests, args.seed)]
     rows = serving_bench(decoder.target, decoder.drafter, prompts, levels, decoder.block_size, args.max_new_tokens,
-                         args.repeats)
+                         args.repeats, decoder.tree_budget)
     meta = {"command": " ".join(sys.argv), "machine": machine_description(), "drafter": decoder.drafter.name,
-            "block_size": decoder.block_size, "requests": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "block_size": decoder.block_size, "tree_budget": decoder.tree_budget, "requests": len(prompts), "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats}
     print(report_serving(rows, Path(args.output), meta))
     return 0
@@ -522,7 +537,8 @@ def _bench(args) -> int:
     for method in methods[1:]:
         if method.engine != "blockspec":
             continue
-        costs[method.name] = measure_costs(target, load_drafter(method.drafter, target), method.block_size)
+        costs[method.name] = measure_costs(target, load_drafter(method.drafter, target), method.block_size,
+                                           verify_tokens=1 + method.tree_budget if method.tree_budget else None)
     for row in rows:
         cost = costs.get(row["method"])
         if cost and "d" in cost:
@@ -547,7 +563,7 @@ def _bench(args) -> int:
     report(rows, Path(args.output), meta)
     for name, cost in costs.items():
         if "d" in cost:
-            print(f"{name}: decode(1) {cost['decode_s'] * 1e3:.1f} ms, verify({cost['block_size']}) "
+            print(f"{name}: decode(1) {cost['decode_s'] * 1e3:.1f} ms, verify({cost['verify_tokens']}) "
                   f"{cost['verify_s'] * 1e3:.1f} ms (r = {cost['r']:.2f}), draft {cost['draft_s'] * 1e3:.1f} ms "
                   f"(d = {cost['d']:.2f}); speedup ~ tau / (r + d)")
     if result.mismatches:

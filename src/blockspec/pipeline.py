@@ -9,10 +9,11 @@ from blockspec.decoding.engine import SpecEngine
 from blockspec.decoding.sampling import SamplingParams
 from blockspec.decoding.stats import GenerationStats
 from blockspec.drafters.registry import load_drafter
+from blockspec.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_TREE_BUDGET
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.loading import DEFAULT_TARGET, load_target
 
-DEFAULT_BLOCK_SIZE = 16
+
 
 
 @dataclass
@@ -46,11 +47,17 @@ class SpecDecoder:
             limit = getattr(drafter, "max_block_size", None)
             block_size = min(DEFAULT_BLOCK_SIZE, limit) if limit else DEFAULT_BLOCK_SIZE
         self.engine = SpecEngine(target, drafter, block_size, adaptive=plan, tree_budget=tree_budget)
+        self.notes = self.engine.notes  # what runs differently from what was asked (chains instead of trees)
         self._result: GenerationResult | None = None
 
     @property
     def block_size(self) -> int:
         return self.engine.block_size
+
+    @property
+    def tree_budget(self) -> int | None:
+        """The most nodes of a step's token tree; None: chains."""
+        return self.engine.tree_budget
 
     def generate(self, prompt, **options):
         """Generate from a prompt (a string, or a list of chat messages) -> GenerationResult.
@@ -75,7 +82,7 @@ class SpecDecoder:
         from blockspec.decoding.engine import serving_engine
 
         seeds = [None if seed is None else seed + i for i in range(len(prompts))]
-        engine, _ = serving_engine(self.target, self.drafter, self.block_size, max_batch)
+        engine, _ = serving_engine(self.target, self.drafter, self.block_size, max_batch, self.tree_budget)
         results: list[GenerationResult | None] = [None] * len(prompts)
         for index, (prompt, prompt_seed) in enumerate(zip(prompts, seeds)):
             if isinstance(prompt, str) and not prompt.strip() or isinstance(prompt, list) and not prompt:
@@ -232,11 +239,11 @@ def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> li
 def load(target: str = DEFAULT_TARGET, drafter: str | None = "hybrid", *, block_size: int | None = None,
          plan: bool = True, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
          trust_remote_code: bool = False, context_window: int | None = None,
-         force_drafter: bool = False, tree_budget: int | None = None) -> SpecDecoder:
+         force_drafter: bool = False, tree_budget: int | None = DEFAULT_TREE_BUDGET) -> SpecDecoder:
     """Load a target and a drafter. `drafter`: 'hybrid' (the shipped drafter for this target
     with prompt lookup beside it), 'auto' (the shipped drafter, else prompt lookup), 'none'
     (or None), 'prompt-lookup', or a drafter folder. `block_size`, `plan` and `tree_budget`:
-    SpecDecoder's."""
+    SpecDecoder's (trees by default where the drafter can; None: chains)."""
     target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
                                  trust_remote_code=trust_remote_code)
     options = {"context_window": context_window} if context_window else {}

@@ -1,4 +1,5 @@
 """The decomposition speedup ~ tau / (r + d): r = verify(B) / decode(1), d = draft / decode(1).
+For a token tree of N nodes the verify pass is N + 1 tokens wide: r = verify(N + 1) / decode(1).
 
 Each cost is the median of several interleaved timings at the same context length,
 so that the ratios survive a noisy shared machine.
@@ -22,8 +23,10 @@ def _timed(fn) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target, drafter, block_size: int, context_len: int = 256, repeats: int = 7) -> dict:
-    """Median seconds of decode(1), verify(B) and one draft pass; r and d."""
+def measure_costs(target, drafter, block_size: int, context_len: int = 256, repeats: int = 7,
+                  verify_tokens: int | None = None) -> dict:
+    """Median seconds of decode(1), verify(`verify_tokens`, default B) and one draft pass of
+    B - 1 positions; r and d."""
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(100, min(target.vocab_size, 20000), (context_len,), generator=generator)
     layer_ids = drafter.target_layer_ids if drafter is not None else ()
@@ -32,14 +35,15 @@ def measure_costs(target, drafter, block_size: int, context_len: int = 256, repe
     target.rollback(context_len)
     if drafter is not None:
         drafter.begin(context, out.features)
-    block = torch.randint(100, 1000, (block_size,), generator=generator)
+    verify_tokens = verify_tokens or block_size
+    block = torch.randint(100, 1000, (max(block_size, verify_tokens),), generator=generator)
     decode, verify, draft = [], [], []
     params = SamplingParams()
     committed = context
     for _ in range(repeats):
         decode.append(_timed(lambda: target.forward(block[:1], layer_ids)))
         target.rollback(context_len)
-        verify.append(_timed(lambda: target.forward(block, layer_ids)))
+        verify.append(_timed(lambda: target.forward(block[:verify_tokens], layer_ids)))
         target.rollback(context_len)
         if drafter is not None:
             # as in decoding: a new anchor after the committed tokens; then it is committed
@@ -50,7 +54,7 @@ def measure_costs(target, drafter, block_size: int, context_len: int = 256, repe
             drafter.accept(block[:1], None if out.features is None else out.features[-1:])
             committed = with_anchor
     decode_s = statistics.median(decode)
-    result = {"context_len": context_len, "block_size": block_size, "decode_s": decode_s,
+    result = {"context_len": context_len, "block_size": block_size, "verify_tokens": verify_tokens, "decode_s": decode_s,
               "verify_s": statistics.median(verify), "r": statistics.median(verify) / decode_s}
     if draft:
         result.update(draft_s=statistics.median(draft), d=statistics.median(draft) / decode_s)

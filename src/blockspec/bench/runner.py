@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from blockspec.bench.datasets import BenchPrompt, final_answer, load_prompts, same_answer
 from blockspec.bench.peers import PEER_KINDS, TransformersPeer
+from blockspec.defaults import DEFAULT_TREE_BUDGET
 from blockspec.drafters.registry import NAMED_DRAFTERS, load_drafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.pipeline import SpecDecoder
@@ -27,6 +28,7 @@ class Method:
     engine: str = "blockspec"  # or a transformers peer (hf-generate, hf-prompt-lookup, hf-dflash), or diffusion
     diffusion_steps: int = 1
     plan: bool = False  # blockspec: each step's draft length planned (block_size the most), else a full block
+    tree_budget: int | None = None  # blockspec: token trees of at most this many nodes (None: chains)
 
     @property
     def lossless(self) -> bool:
@@ -34,7 +36,7 @@ class Method:
 
     def build(self, target):
         if self.engine == "blockspec":
-            return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size, self.plan)
+            return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size, self.plan, self.tree_budget)
         if self.engine == "diffusion":
             return DiffusionRunner(target, load_drafter(self.drafter, target), self.block_size, self.diffusion_steps)
         return TransformersPeer(target, self.engine, self.drafter, self.block_size)
@@ -69,16 +71,21 @@ class DiffusionRunner:
                                 finish_reason="stop" if stop else "length")
 
 
-DEFAULT_METHODS = "baseline,default,prompt-lookup,dflash-auto,dflash-b16,dflash-b8,hf-generate,hf-prompt-lookup,hf-dflash-b16"
+DEFAULT_METHODS = ("baseline,default,default-chain,prompt-lookup,dflash-tree,dflash-auto,dflash-b16,dflash-b8,"
+                   "hf-generate,hf-prompt-lookup,hf-dflash-b16")
 _DIFFUSION = re.compile(r"^diffusion-b(\d+)(?:-s(\d+))?$")
+_TREE = re.compile(r"^dflash-tree-n(\d+)$")
 
 
 def parse_methods(names: str, drafter: str | None) -> list[Method]:
     """Method names -> methods; the first is the baseline. `baseline` (blockspec's plain
     loop), any drafter registered by name (e.g. `prompt-lookup`), `dflash-bN` (the DFlash
     drafter at block size N, a full block every step), `dflash-auto` (the DFlash drafter,
-    each step's length planned, at most 16), `default` (what `blockspec generate` does: the
-    DFlash drafter with prompt lookup beside it, planned), the transformers peers `hf-generate`, `hf-prompt-lookup`
+    each step's length planned, at most 16), `dflash-tree` (DFlash token trees of at most
+    DEFAULT_TREE_BUDGET nodes, each step's node count planned), `dflash-tree-nN` (a tree of N
+    nodes every step, depth at most 15), `default` (what `blockspec generate` does: the DFlash
+    drafter's trees with prompt lookup's continuation as a branch, planned), `default-chain`
+    (the same with chains, `--chain`), the transformers peers `hf-generate`, `hf-prompt-lookup`
     and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter), the lossy
     `diffusion-bN[-sK]`, and `LABEL=FOLDER` for any other trained drafter (e.g.
     `mtp-b4=runs/mtp/final`: an MTP head at block size 4)."""
@@ -86,17 +93,25 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
     for name in (n.strip() for n in names.split(",") if n.strip()):
         block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
         diffusion = _DIFFUSION.match(name)
+        tree = _TREE.match(name)
         if "=" in name:  # LABEL=FOLDER: any trained drafter (DFlash, MTP, ...), block size from a -bN suffix
             label, folder = name.split("=", 1)
             suffix = label.rsplit("-b", 1)
             methods.append(Method(label, folder, int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 8))
         elif name == "baseline":
             methods.append(Method(name, "none", 1))
-        elif name == "default":
-            methods.append(Method(name, "hybrid" if drafter in (None, "auto") else f"hybrid:{drafter}", 16, plan=True))
+        elif name in ("default", "default-chain"):
+            methods.append(Method(name, "hybrid" if drafter in (None, "auto") else f"hybrid:{drafter}", 16, plan=True,
+                                  tree_budget=DEFAULT_TREE_BUDGET if name == "default" else None))
         elif name == "dflash-auto" and drafter:
             methods.append(Method(name, drafter, 16, plan=True))
-        elif name == "dflash-auto":
+        elif name == "dflash-tree" and drafter:
+            methods.append(Method(name, drafter, 16, plan=True, tree_budget=DEFAULT_TREE_BUDGET))
+        elif tree and drafter:
+            if int(tree[1]) < 1:
+                raise InvalidArgumentError(f"{name}: the tree node budget must be >= 1")
+            methods.append(Method(name, drafter, 16, tree_budget=int(tree[1])))
+        elif name in ("dflash-auto", "dflash-tree") or tree:
             continue
         elif diffusion and drafter:  # lossy: standalone diffusion decoding with the DFlash drafter
             methods.append(Method(name, drafter, int(diffusion[1]), engine="diffusion",
@@ -113,7 +128,8 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
         elif block:
             continue  # no DFlash drafter for this target: nothing to run
         else:
-            known = ["baseline", "default", *NAMED_DRAFTERS, "dflash-bN", "dflash-auto", *PEER_KINDS[:2], "hf-dflash-bN",
+            known = ["baseline", "default", "default-chain", *NAMED_DRAFTERS, "dflash-bN", "dflash-auto", "dflash-tree",
+                     "dflash-tree-nN", *PEER_KINDS[:2], "hf-dflash-bN",
                      "diffusion-bN[-sK] (lossy)"]
             raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
     if not methods or methods[0].name != "baseline":
@@ -270,9 +286,11 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
     markdown += [_markdown_row(r) for r in rows]
     costs = meta.get("costs") or {}
     if costs:
-        markdown += ["", "| method | decode(1) ms | verify(B) ms | r | draft ms | d |", "|---|---|---|---|---|---|"]
-        markdown += [f"| {name} | {c['decode_s'] * 1e3:.1f} | {c['verify_s'] * 1e3:.1f} | {c['r']:.2f} | "
-                     f"{c.get('draft_s', 0) * 1e3:.1f} | {c.get('d', 0):.2f} |" for name, c in costs.items()]
+        markdown += ["", "| method | decode(1) ms | verified tokens | verify ms | r | draft ms | d |",
+                     "|---|---|---|---|---|---|---|"]
+        markdown += [f"| {name} | {c['decode_s'] * 1e3:.1f} | {c.get('verify_tokens', c['block_size'])} | "
+                     f"{c['verify_s'] * 1e3:.1f} | {c['r']:.2f} | {c.get('draft_s', 0) * 1e3:.1f} | {c.get('d', 0):.2f} |"
+                     for name, c in costs.items()]
     if meta.get("roofline"):
         line = meta["roofline"]
         markdown += ["", f"Memory bandwidth {line['bandwidth_gb_s']:.1f} GB/s; a decode step reads at least "

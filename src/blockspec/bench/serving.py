@@ -57,7 +57,7 @@ def run_closed_loop(engine: BatchedSpecEngine, prompts: list[list[int]], concurr
 
 
 def serving_bench(target, drafter, prompts: list[list[int]], concurrency_levels: list[int], block_size: int,
-                  max_new_tokens: int, repeats: int = 1) -> list[dict]:
+                  max_new_tokens: int, repeats: int = 1, tree_budget: int | None = None) -> list[dict]:
     rows = []
     configurations = (("baseline", None), ("speculative", drafter))
     # one planner for every speculative run, as a server's engine keeps its own for its whole
@@ -67,7 +67,8 @@ def serving_bench(target, drafter, prompts: list[list[int]], concurrency_levels:
         runs: dict[str, list[dict]] = {name: [] for name, _ in configurations}
         for repeat in range(repeats):
             for name, use_drafter in configurations[::1 if repeat % 2 == 0 else -1]:
-                engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency, planner=planner)
+                engine = BatchedSpecEngine(target, use_drafter, block_size, max_batch=concurrency, planner=planner,
+                                           tree_budget=tree_budget if use_drafter is not None else None)
                 runs[name].append(run_closed_loop(engine, prompts, concurrency, max_new_tokens))
         for name, _ in configurations:
             done = runs[name]

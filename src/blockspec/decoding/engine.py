@@ -361,16 +361,20 @@ class BatchedSpecEngine(SpecEngine):
                          tree_budget=tree_budget)
 
 
-def serving_engine(target, drafter: Drafter | None, block_size: int, max_batch: int) -> tuple[SpecEngine, str | None]:
+def serving_engine(target, drafter: Drafter | None, block_size: int, max_batch: int,
+                   tree_budget: int | None = None) -> tuple[SpecEngine, str | None]:
     """The engine for many requests: batched (`BatchedSpecEngine`) when the target's cache can
-    hold rows side by side, else one row at a time with the rest waiting (sliding-window
-    layers; `max_batch` 1), planned alike. Returns it and, when it fell back, why."""
+    hold rows side by side (full and sliding-window attention), else one row at a time with
+    the rest waiting (other attention kinds; `max_batch` 1), planned alike, trees where
+    asked. Returns it and, when it fell back, why."""
     if max_batch > 1:
         try:
-            return BatchedSpecEngine(target, drafter, block_size, max_batch), None
+            return BatchedSpecEngine(target, drafter, block_size, max_batch, tree_budget=tree_budget), None
         except InvalidArgumentError as why:
-            return SpecEngine(target, drafter, block_size, adaptive=True), str(why)
-    return SpecEngine(target, drafter, block_size, adaptive=True), None
+            if "tree node budget" in str(why):
+                raise
+            return SpecEngine(target, drafter, block_size, adaptive=True, tree_budget=tree_budget), str(why)
+    return SpecEngine(target, drafter, block_size, adaptive=True, tree_budget=tree_budget), None
 
 
 def check_request(target, prompt_len: int, max_new_tokens: int, stop_token_ids=None) -> tuple[int, set[int]]:

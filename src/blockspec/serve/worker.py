@@ -64,7 +64,8 @@ class Worker(threading.Thread):
         super().__init__(daemon=True, name="blockspec-worker")
         self.decoder, self.metrics = decoder, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)  # None: stop
-        self.engine, why_one_at_a_time = serving_engine(decoder.target, decoder.drafter, decoder.block_size, max_batch)
+        self.engine, why_one_at_a_time = serving_engine(decoder.target, decoder.drafter, decoder.block_size, max_batch,
+                                                        decoder.tree_budget)
         if why_one_at_a_time:
             print(f"blockspec serve: requests will decode one at a time ({why_one_at_a_time})", flush=True)
 
