@@ -109,8 +109,17 @@ def test_cli_json_same_tokens_with_and_without_prompt_lookup():
                for d in ("none", "prompt-lookup")]
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
     assert set(outputs[1]["stats"]) == {"tau", "accept_hist", "accept_rate_by_pos", "steps", "new_tokens",
-                                        "ttft_s", "tpot_s", "tokens_per_s"}
+                                        "ttft_s", "tpot_s", "tokens_per_s", "notes"}
+    # trees are the default; prompt lookup has no per-position distributions: it says it drafts chains
+    assert any("chains" in note for note in outputs[1]["stats"]["notes"])
     assert outputs[0]["stats"]["tau"] == 1.0 and outputs[1]["stats"]["tau"] >= 1.0
+
+
+def test_cli_default_generate_verifies_trees_and_chain_does_not():
+    tree, chain = [json.loads(cli("generate", PROMPTS[0], "--json", "--max-new-tokens", "24", *extra).stdout)
+                   for extra in ((), ("--chain",))]
+    assert tree["token_ids"] == chain["token_ids"]
+    assert tree["stats"].get("tree_steps", 0) > 0 and "tree_steps" not in chain["stats"]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +138,8 @@ BAD_INPUTS = {
     "top-p above one": (["generate", "hi", "--top-p", "1.5"], "top_p"),
     "negative top-k": (["generate", "hi", "--top-k", "-1"], "top_k"),
     "block size zero": (["generate", "hi", "--block-size", "0"], "block size"),
+    "tree budget zero": (["generate", "hi", "--tree-budget", "0"], "tree node budget"),
+    "tree budget beyond the context": (["generate", "hi", "--tree-budget", "100000"], "context"),
     "unknown target": (["generate", "hi", "--target", "/no/such/model"], "unknown target"),
     "unknown drafter": (["generate", "hi", "--drafter", "/no/such/drafter"], "unknown drafter"),
     "prompt beyond the context": (["generate", "hello " * 9000, "--drafter", "none"], "context"),
