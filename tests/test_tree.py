@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -237,13 +236,38 @@ def test_a_drafter_without_distributions_drafts_chains_and_says_so():
     assert any("no per-position distributions" in note for note in stats.notes)
 
 
-def test_tree_slots_off_the_path_become_holes_and_compaction_keeps_outputs():
+def test_one_row_keeps_only_the_accepted_path_in_its_cache():
+    """Cache compaction: after every tree step the row's cache holds exactly its committed
+    tokens but the last (the next anchor), the path moved next to the others."""
     target = target_for("llama")
     prompt = PROMPTS["len23"]
-    ref = hf_greedy(target.model, prompt, 80, (-1,))
-    stats = GenerationStats(8)
-    ours, engine = run_tree(target, TreeOracleDrafter(prompt + ref), prompt, budget=30, max_new=80, stop=(-1,),
-                            stats=stats)
-    assert_same_or_near_tie(target.model, prompt, ours, ref)
-    assert stats.tree_nodes > 3 * (stats.new_tokens - 1)  # most nodes were holes, so compaction ran
-    assert np.isfinite(stats.tau)
+    ref = hf_greedy(target.model, prompt, 60, (-1,))
+    engine = SpecEngine(target, TreeOracleDrafter(prompt + ref), 8, tree_budget=30)
+    out = []
+    row = engine.add(prompt, max_new_tokens=60, stop_token_ids=(-1,), on_chunk=out.extend)
+    engine.admit()
+    while engine.busy:
+        engine.step()
+        if engine.busy:
+            assert engine.kv.cache.get_seq_length() == len(row.tokens) - 1 and bool(engine.kv.valid.all())
+    assert_same_or_near_tie(target.model, prompt, out, ref)
+    assert row.stats.tree_nodes > 3 * row.stats.tree_steps and row.stats.tau > 2
+
+
+def test_batched_tree_slots_off_the_path_become_holes_and_compaction_keeps_outputs():
+    target = target_for("qwen3")
+    prompts = [PROMPTS["len23"], PROMPTS["len6"]]
+    refs = [hf_greedy(target.model, p, 80, (-1,)) for p in prompts]
+    engine = BatchedSpecEngine(target, TreeOracleDrafter(prompts[0] + refs[0]), 8, max_batch=2, adaptive=False,
+                               tree_budget=30)
+    outputs = [[], []]
+    for prompt, out in zip(prompts, outputs):
+        engine.add(prompt, max_new_tokens=80, stop_token_ids=(-1,), on_chunk=out.extend)
+    widths = []
+    while engine.busy:
+        engine.step()
+        if engine.kv.cache is not None:
+            widths.append(engine.kv.valid.shape[1])
+    assert any(b < a for a, b in zip(widths, widths[1:]))  # compacted at least once
+    for prompt, out, ref in zip(prompts, outputs, refs):
+        assert_same_or_near_tie(target.model, prompt, out, ref)
