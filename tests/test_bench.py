@@ -86,6 +86,13 @@ def test_method_names_parse_into_the_registry():
         ("diffusion", 8, 2, False), ("diffusion", 4, 1, False)]
     custom = parse_methods("baseline,mtp-b4=/runs/mtp", None)[1]
     assert (custom.name, custom.drafter, custom.block_size, custom.engine) == ("mtp-b4", "/runs/mtp", 4, "blockspec")
+    trees = parse_methods("baseline,default,default-chain,dflash-tree,dflash-tree-n12", "/drafter")[1:]
+    assert [(m.name, m.drafter, m.plan, m.tree_budget) for m in trees] == [
+        ("default", "hybrid:/drafter", True, 32), ("default-chain", "hybrid:/drafter", True, None),
+        ("dflash-tree", "/drafter", True, 32), ("dflash-tree-n12", "/drafter", False, 12)]
+    assert [m.name for m in parse_methods("baseline,dflash-tree,dflash-tree-n8", None)] == ["baseline"]
+    with pytest.raises(InvalidArgumentError, match="node budget"):
+        parse_methods("baseline,dflash-tree-n0", "/drafter")
     with pytest.raises(InvalidArgumentError, match="unknown bench method"):
         parse_methods("baseline,medusa", None)
     with pytest.raises(InvalidArgumentError, match="first bench method"):

@@ -1,10 +1,11 @@
 """Verification: which drafted tokens the target keeps, its bonus token, what is committed.
 
-`verify` picks one of three lossless rules. Inputs: `target_logits` [k+1, V] from ONE target pass over
+`verify` picks one of four lossless rules. Inputs: `target_logits` [k+1, V] from ONE target pass over
 [anchor, d_1..d_k] (row i is the target's distribution for the token after
 position i), the k draft tokens and, for probabilistic drafts, `draft_probs` [k, V]:
-exactly the distribution each draft token was sampled from.
-Each returns (accept_length, bonus_token).
+exactly the distribution each draft token was sampled from. The chain rules return
+(accept_length, bonus_token); a tree (`Draft.parents`) is walked along the target's own
+choices (`accept_tree`); `verify` returns the accepted drafts' indices either way.
 """
 
 from __future__ import annotations
