@@ -451,7 +451,10 @@ def _serve(args) -> int:
                           request_timeout_s=args.request_timeout, max_batch=args.max_batch,
                           max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts)
     print(f"serving {config.model_name} (drafter {decoder.drafter.name if decoder.drafter else 'none'}, "
-          f"block {decoder.block_size}) on http://{args.host}:{args.port}/v1", flush=True)
+          f"block {decoder.block_size}, {f'trees of at most {decoder.tree_budget} nodes' if decoder.tree_budget else 'chains'}) "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
+    for note in decoder.notes:
+        print(f"blockspec serve: {note}", flush=True)
     uvicorn.run(create_app(decoder, config), host=args.host, port=args.port, log_level="warning")
     return 0
 
