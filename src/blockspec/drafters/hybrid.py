@@ -7,11 +7,12 @@ a prior of one token). Prompt lookup is free, so its score is kept up to date ev
 also when the model drafted (what lookup would have proposed is checked against what was
 committed). The model's score moves only when it drafts. Lookup drafts when it has a
 continuation and scores at least the model; otherwise the model drafts, and its pass is
-then skipped for that sequence. When a token tree is asked for (the model gives
-per-position candidates), the model always drafts and the lookup continuation joins its
-tree as a branch, each of its tokens right with probability E / (1 + E) for lookup's
-score E (a geometric run of that mean): the tree then spends nodes on it only where it
-is likelier than the model's own paths. How many tokens a proposal was worth is read from the
+then skipped for that sequence. When a token tree is asked for and the model drafts, the
+lookup continuation (if any) joins its tree as a branch, each of its tokens right with
+probability E / (1 + E) for lookup's score E (a geometric run of that mean): the tree
+then spends nodes on it only where it is likelier than the model's own paths. (Measured:
+running the model every step and only branching lookup in was slower on code and chat,
+where lookup alone wins, than this choice; docs/benchmarks.md, session 7.) How many tokens a proposal was worth is read from the
 committed tokens at the next proposal: the longest prefix of the draft they repeat is
 exactly what the verifier accepted (a rejected draft token is never the target's token).
 """
@@ -92,8 +93,7 @@ class HybridDrafter(Drafter):
             fork._score_last(request.token_ids)
             lookup = fork.lookup.propose_one(request)
             proposals.append({"lookup": lookup.tokens} if lookup.tokens.numel() else {})
-            use_lookup = (bool(proposals[i]) and not request.candidates
-                          and fork.scores["lookup"].expected >= fork.scores["model"].expected)
+            use_lookup = bool(proposals[i]) and fork.scores["lookup"].expected >= fork.scores["model"].expected
             fork.last_source = "lookup" if use_lookup else "model"
             if use_lookup:
                 drafts[i] = lookup
