@@ -57,7 +57,9 @@ def heldout_acceptance(target, drafter, *, datasets: list[str], data_dir: str | 
                        progress: bool = True) -> dict:
     """{'datasets': {name: {...}}, 'domains': {'math+code': {...}, 'chat': {...}}} at T=0.
     `seed` picks the subset of each test split (the bench uses seed 0 for its own)."""
-    decoder = SpecDecoder(target, drafter, block_size)
+    # the drafter's quality, not the planner's choices: a full chain every step (a planned
+    # decoder drafts less, or not at all, where drafting does not pay on this machine)
+    decoder = SpecDecoder(target, drafter, block_size, plan=False, tree_budget=None)
     # a reduced draft vocabulary: every target token outside it is a certain rejection
     d2t = getattr(getattr(drafter, "model", None), "d2t", None)
     proposable = set(d2t.tolist()) if d2t is not None else None
