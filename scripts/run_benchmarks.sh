@@ -26,3 +26,8 @@ $BS bench-serve --data-dir "$DATA" --concurrency 1,2,4,8 --requests 12 --max-new
 
 # what the README shows: T=0, 2 prompts per dataset, at most 64 new tokens (must stay under 10 minutes here)
 $BS bench --quick --data-dir "$DATA" --no-memory --output runs/bench-quick
+
+# session 7: token trees (issue 15): the default command, chains, lookup, tau against the node budget
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 1 --no-memory \
+    --methods baseline,default,default-chain,prompt-lookup,dflash-tree,dflash-b8,dflash-tree-n8,dflash-tree-n16,dflash-tree-n32 \
+    --output runs/bench-s7
