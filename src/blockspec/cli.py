@@ -285,7 +285,10 @@ def _generate(args) -> int:
         print(result.text)
     drafter = decoder.drafter.name if decoder.drafter else "none"
     block = f"{decoder.block_size}" if args.fixed_block else f"<={decoder.block_size} (planned per step)"
-    print(f"{result.stats.summary()} drafter={drafter} block={block} target={decoder.target.name}")
+    tree = f" trees<={decoder.tree_budget} nodes ({result.stats.tree_steps} tree steps)" if decoder.tree_budget else ""
+    print(f"{result.stats.summary()} drafter={drafter} block={block}{tree} target={decoder.target.name}")
+    for note in result.stats.notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.compare and decoder.drafter is not None:
         _compare_with_plain_loop(decoder, args.prompt, options, result)
     return 0
