@@ -35,7 +35,7 @@ from blockspec.decoding.draft import NO_DRAFT, Draft, DraftRequest, Drafter
 from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token
 from blockspec.decoding.stats import GenerationStats
-from blockspec.decoding.tree import Tree, build_tree, check_budget
+from blockspec.decoding.tree import build_tree, check_budget, depths
 from blockspec.decoding.verify import cut_after_stop, record_logprobs, verify
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.kv import SingleSequenceKV, SlotKV, TargetKV
@@ -317,7 +317,7 @@ class SpecEngine:
             if features is not None:  # a copy: a view would keep the whole batch's features alive
                 row.unseen_features.append(features[kept].clone())
         # a tree's depth plays a chain's length: the draft positions the step could accept
-        depth = max(Tree(draft.tokens.tolist(), draft.parents, []).depths()) if draft.parents else drafted
+        depth = max(depths(draft.parents)) if draft.parents else drafted
         row.stats.record_step(depth, accept_length)
         if draft.parents is not None:
             row.stats.tree_steps += 1
@@ -367,12 +367,12 @@ def serving_engine(target, drafter: Drafter | None, block_size: int, max_batch: 
     hold rows side by side (full and sliding-window attention), else one row at a time with
     the rest waiting (other attention kinds; `max_batch` 1), planned alike, trees where
     asked. Returns it and, when it fell back, why."""
+    if tree_budget is not None:
+        check_budget(tree_budget, target.max_context)  # a bad budget is the request's error, never a fallback
     if max_batch > 1:
         try:
             return BatchedSpecEngine(target, drafter, block_size, max_batch, tree_budget=tree_budget), None
-        except InvalidArgumentError as why:
-            if "tree node budget" in str(why):
-                raise
+        except InvalidArgumentError as why:  # the slot cache cannot hold this target
             return SpecEngine(target, drafter, block_size, adaptive=True, tree_budget=tree_budget), str(why)
     return SpecEngine(target, drafter, block_size, adaptive=True, tree_budget=tree_budget), None
 

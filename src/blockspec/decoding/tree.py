@@ -51,10 +51,7 @@ class Tree:
         return Tree(self.tokens[:count], self.parents[:count], self.scores[:count])
 
     def depths(self) -> list[int]:
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return depths
+        return depths(self.parents)
 
     def expected_accepted(self) -> list[float]:
         """E[accepted drafts] of the first n nodes, n = 1..len: the sum of their reach
@@ -64,6 +61,14 @@ class Tree:
             total += math.exp(score)
             expected.append(total)
         return expected
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1: a child of the anchor), parents before children."""
+    result: list[int] = []
+    for parent in parents:
+        result.append(1 if parent < 0 else result[parent] + 1)
+    return result
 
 
 def check_budget(budget: int, max_context: int) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from blockspec.decoding.draft import Draft
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, warp_probs
-from blockspec.decoding.tree import Tree, walk
+from blockspec.decoding.tree import depths, walk
 
 
 def verify(logits: torch.Tensor, draft: Draft, params: SamplingParams, sampler: TokenSampler | None,
@@ -44,9 +44,8 @@ def accept_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], par
     if params.greedy:
         target_next = logits.argmax(-1).tolist()
     else:
-        depths = [0] + Tree(tokens, parents, []).depths()
         target_next = sampler.sample(warp_probs(logits, params), position,
-                                     positions=[position + depth for depth in depths]).tolist()
+                                     positions=[position + depth for depth in [0] + depths(parents)]).tolist()
     return walk(tokens, parents, target_next)
 
 

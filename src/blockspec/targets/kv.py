@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from blockspec.decoding.tree import Tree, ancestor_mask
+from blockspec.decoding.tree import ancestor_mask, depths
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import TargetAdapter, target_features
 from blockspec.targets.cache import GrowingLayer, new_cache, replace_states
@@ -194,7 +194,7 @@ class SlotKV:
                 positions[i, :size] = torch.arange(start, start + size)
                 new_part[i, :size, :size] = torch.ones(size, size, dtype=torch.bool).tril()
             else:
-                positions[i, :size] = start + torch.tensor([0] + Tree(block[1:], tree, []).depths())
+                positions[i, :size] = start + torch.tensor([0] + depths(tree))
                 new_part[i, :size, :size] = ancestor_mask(tree)
             positions[i, size:] = positions[i, :size].max()  # padding never runs past the row's real positions
         old = self.valid.shape[1]
@@ -220,7 +220,7 @@ class SlotKV:
             # one row: move the kept slots (a tree's path) next to the others and drop the rest,
             # so the row never has holes (and verifies chains without a mask)
             moved = slots != list(range(self._block_start, self._block_start + len(slots)))  # else a prefix: crop only
-            index = torch.tensor(slots, device=self.target.device)
+            index = torch.tensor(slots, device=self.target.device) if moved else None
             for layer in self.cache.layers:
                 if moved:
                     layer.keys[:, :, self._block_start:self._block_start + len(slots)] = layer.keys[:, :, index]
