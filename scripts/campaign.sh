@@ -21,6 +21,8 @@ DATA=${DATA:-../shared/data}
 BS=.venv/bin/blockspec
 C=runs/campaign
 SHIPPED=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
+# INIT: where training starts (default: the shipped drafter; a previous round's final continues it)
+INIT=${INIT:-$SHIPPED}
 LAYERS=1,8,15,22,27
 SUFFIX=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
 mkdir -p "$C/eval"
@@ -48,7 +50,7 @@ RUN="$C/train-$ROUND"
 RESUME=()
 [ -f "$RUN/latest/trainer_state.pt" ] && RESUME=(--resume)
 if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
-  $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$SHIPPED" \
+  $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$INIT" \
       --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size 8192 \
       --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
       --loss-weighting ${WEIGHTING:-decay} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS"
