@@ -119,12 +119,12 @@ def test_serving_bench_closed_loop_counts_every_token(tmp_path):
     assert (tmp_path / "serving.png").stat().st_size > 0 and "speculative" in (tmp_path / "serving.md").read_text()
 
 
-def measured_planner(verify_ms: dict[int, float], draft_ms: dict[int, float], max_drafts: int = 7):
-    """A DraftPlanner that has measured these verify costs and drafting costs (both by size
-    bucket: query tokens of the verify pass, drafted positions)."""
+def measured_planner(verify_ms: dict[int, float], draft_ms: dict[int, float], max_drafts: int = 7, cls=None):
+    """A DraftPlanner (or a `cls` of one) that has measured these verify costs and drafting
+    costs (both by size bucket: query tokens of the verify pass, drafted positions)."""
     from blockspec.decoding.planner import DraftPlanner
 
-    planner = DraftPlanner(max_drafts)
+    planner = (cls or DraftPlanner)(max_drafts)
     for bucket, ms in verify_ms.items():
         planner.verify.record(bucket, ms / 1000, planner.now)
     for bucket, ms in draft_ms.items():
@@ -188,7 +188,7 @@ def test_expected_acceptance_follows_each_positions_rate():
 
 def test_a_row_that_stopped_drafting_is_probed_again_as_its_evidence_ages():
     planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
-    planner.pooled = evidence(0.8)
+    planner.pooled["model"] = evidence(0.8)
     row = evidence(0.02, trials=10.0)
     plans = []
     for _ in range(30):
@@ -204,7 +204,7 @@ def test_planner_evidence_counts_reached_positions():
     planner.observe(row, drafted=5, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4-5 never reached
     planner.observe(row, drafted=3, accepted=3)  # all accepted: nothing rejected
     assert (row.hits, row.trials) == ([2, 2, 1], [2, 2, 2])
-    assert planner.pooled.hits[:3] == pytest.approx([0.98 + 1, 0.98 + 1, 1])  # pooled, decayed per observation
+    assert planner.pooled["model"].hits[:3] == pytest.approx([0.98 + 1, 0.98 + 1, 1])  # pooled, decayed per observation
 
 
 class ScriptedPlanner:

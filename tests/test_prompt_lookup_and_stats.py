@@ -85,3 +85,58 @@ def test_hybrid_scores_each_source_by_what_was_committed_and_drafts_with_the_bet
     # the model's 7, 8 were accepted (then 4): its score rises; lookup had no continuation after 5
     assert step([1, 2, 3, 1, 5, 7, 8, 4]) == [7, 8, 9]
     assert hybrid.scores["model"].expected > 1.0
+
+
+def test_the_planner_weighs_each_step_by_the_rates_of_the_source_that_drafts_it():
+    """A drafter with two sources, one always right and one always wrong, alternating: with
+    evidence kept per source the planner drafts a full block whenever the good source drafts
+    and (after a probe or two) plain steps when the bad one would; one pooled rate would
+    blur them into a middling rate for both. Output stays the target's greedy tokens."""
+    from blockspec.decoding.draft import Draft, Drafter
+    from blockspec.decoding.planner import DraftPlanner
+    from test_batched_spec import CPU_DRAFT, CPU_VERIFY, measured_planner
+
+    target = tiny_target("llama")
+    prompt = [5, 17, 33, 2, 9, 40]
+    reference = prompt + hf_greedy(target.model, prompt, 60, (-1,))
+    drafted_by = {"good": [], "bad": []}  # per step of each source: how many drafts it was asked for
+
+    class TwoSources(Drafter):
+        name = "two-sources"
+
+        def begin(self, prompt_ids, prompt_features):
+            self.asked = None
+
+        def next_source(self, token_ids):
+            self.source = "good" if (token_ids.numel() // 3) % 2 == 0 else "bad"
+            self.asked = token_ids.numel()
+            return self.source
+
+        def propose_one(self, request):
+            assert self.asked == request.token_ids.numel()  # asked before this very step
+            start = request.token_ids.numel()
+            tokens = torch.tensor(reference[start:start + request.num_drafts])
+            drafted_by[self.source][-1] = request.num_drafts
+            return Draft(tokens=tokens if self.source == "good" else (tokens + 1) % 96)
+
+    class FixedCosts(DraftPlanner):  # the measured CPU costs, not this run's timings
+        def record(self, *args, **kwargs):
+            pass
+
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT, cls=FixedCosts)
+    engine = SpecEngine(target, TwoSources(), 8, adaptive=True, planner=planner)
+    original_plan = engine._plan
+
+    def plan():
+        counts = original_plan()
+        for row in engine.rows:
+            drafted_by[row.source].append(0)
+        return counts
+
+    engine._plan = plan
+    out = [t for c in engine.generate(prompt, max_new_tokens=60, stop_token_ids=(-1,)) for t in c]
+    assert prompt + out == reference
+    assert set(planner.pooled) == {"good", "bad"}
+    assert planner.pooled["good"].hits[0] > 0 and planner.pooled["bad"].hits[0] == 0
+    assert all(drafted_by["good"][1:])  # every step of the good source drafted
+    assert sum(1 for count in drafted_by["bad"] if count) <= len(drafted_by["bad"]) // 3  # mostly plain

@@ -73,6 +73,14 @@ class Drafter(ABC):
         sampling drafter draws from `request.generator`."""
         raise NotImplementedError(f"{type(self).__name__} overrides neither propose nor propose_one")
 
+    def next_source(self, token_ids: torch.Tensor) -> str:
+        """Asked of a sequence's fork before each step is planned: which of this drafter's
+        sources will draft next, given every committed token. The planner keeps acceptance
+        evidence per source, so a drafter that switches between sources (the hybrid: prompt
+        lookup, free and often long, or the model, which must earn its own pass) is planned
+        by the rates of the one that drafts. Default: one source."""
+        return "model"
+
     def fork(self) -> "Drafter":
         """A drafter for another sequence, sharing weights but not per-sequence state. Default:
         a shallow copy, fine for drafters whose `begin` rebinds all their state."""

@@ -57,13 +57,21 @@ class Row:
     drafter: Drafter | None = None  # this sequence's fork
     generator: torch.Generator | None = None  # the drafter's random choices (sampled drafts)
     sampler: TokenSampler | None = None  # the target's, keyed by output position
-    acceptance: AcceptanceEvidence = field(default_factory=AcceptanceEvidence)  # for the planner
+    source: str = "model"  # the drafter's source this step (`Drafter.next_source`)
+    evidence: dict[str, AcceptanceEvidence] = field(default_factory=dict)  # per source, for the planner
     # committed since the drafter last saw the sequence: shown to it when it drafts next
     unseen_ids: list = field(default_factory=list)
     unseen_features: list = field(default_factory=list)
     cancelled: bool = False
     error: Exception | None = None  # set when this row failed on its own
     decode_started: float = 0.0
+
+    @property
+    def acceptance(self) -> AcceptanceEvidence:
+        """The planner's evidence on the source that drafts this step."""
+        if self.source not in self.evidence:
+            self.evidence[self.source] = AcceptanceEvidence(source=self.source)
+        return self.evidence[self.source]
 
     @property
     def tokens_left(self) -> int:
@@ -260,6 +268,9 @@ class SpecEngine:
                    for row in self.rows]
         if self.planner is None:
             return allowed
+        for row in self.rows:
+            if row.drafter is not None:
+                row.source = row.drafter.next_source(torch.tensor(row.tokens))
         return self.planner.plan([(row.acceptance, count) if row.drafter is not None else None
                                   for row, count in zip(self.rows, allowed)])
 
@@ -323,7 +334,8 @@ class SpecEngine:
             row.stats.tree_steps += 1
             row.stats.tree_nodes += drafted
         if self.planner is not None:
-            self.planner.age(row.acceptance)
+            for evidence in row.evidence.values():
+                self.planner.age(evidence)
             if drafted:
                 self.planner.observe(row.acceptance, depth, accept_length, predicted)
         self.commit_chunk(row, accepted + [bonus], logits[kept])

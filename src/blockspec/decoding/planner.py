@@ -41,6 +41,7 @@ class AcceptanceEvidence:
     # trees: decayed accepted drafts and what the trees' scores predicted (a prior of one each)
     tree_accepted: float = 1.0
     tree_predicted: float = 1.0
+    source: str = "model"  # the drafter's source it is about (`Drafter.next_source`)
 
     def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         """Positions 1..accepted were accepted; position accepted + 1, if drafted, was
@@ -107,18 +108,24 @@ class DraftPlanner:
         self.decay, self.pooled_decay = decay, pooled_decay
         self.verify = CostTable(decay, stale_after)  # key: size bucket of the verify pass
         self.drafting = CostTable(decay, stale_after)  # key: size bucket of the drafted positions
-        self.pooled = AcceptanceEvidence()  # every row's evidence, decayed more slowly
+        # every row's evidence per drafter source, decayed more slowly: the prior of each row
+        self.pooled: dict[str, AcceptanceEvidence] = {}
         self.now = 0
 
     # --- acceptance -------------------------------------------------------------------------
+    def pooled_for(self, source: str) -> AcceptanceEvidence:
+        if source not in self.pooled:
+            self.pooled[source] = AcceptanceEvidence(source=source)
+        return self.pooled[source]
+
     def acceptance_rates(self, evidence: AcceptanceEvidence, drafts: int) -> list[float]:
         """P(position i accepted | position i reached), i = 1..drafts: the row's evidence over a
-        prior, the pooled rate of that position over every row (weighing as one trial;
-        before any evidence, Laplace's rule: 1/2)."""
-        rates = []
+        prior, the pooled rate of that position over every row with the same source (weighing
+        as one trial; before any evidence, Laplace's rule: 1/2)."""
+        rates, pooled = [], self.pooled_for(evidence.source)
         for i in range(drafts):
-            pooled_hits = self.pooled.hits[i] if i < len(self.pooled.hits) else 0.0
-            pooled_trials = self.pooled.trials[i] if i < len(self.pooled.trials) else 0.0
+            pooled_hits = pooled.hits[i] if i < len(pooled.hits) else 0.0
+            pooled_trials = pooled.trials[i] if i < len(pooled.trials) else 0.0
             prior = (pooled_hits + 1.0) / (pooled_trials + 2.0)
             hits = evidence.hits[i] if i < len(evidence.hits) else 0.0
             trials = evidence.trials[i] if i < len(evidence.trials) else 0.0
@@ -139,7 +146,7 @@ class DraftPlanner:
         """A step drafted `drafted` positions (a tree: its depth) and `accepted` were kept;
         `predicted`: what the tree's scores expected."""
         evidence.observe(drafted, accepted)
-        self.pooled.observe(drafted, accepted, self.pooled_decay)
+        self.pooled_for(evidence.source).observe(drafted, accepted, self.pooled_decay)
         if predicted is not None:
             evidence.tree_accepted = self.decay * evidence.tree_accepted + accepted
             evidence.tree_predicted = self.decay * evidence.tree_predicted + predicted

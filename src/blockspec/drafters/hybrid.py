@@ -63,6 +63,8 @@ class HybridDrafter(Drafter):
         self.last_source: str | None = None  # which source drafted the last proposal
         # the last proposal, scored at the next one: (anchor index, {source: tokens proposed})
         self._last: tuple[int, dict[str, torch.Tensor]] | None = None
+        # this step's choice, made by `next_source`: (committed tokens, source, lookup's continuation)
+        self._decided: tuple[int, str, torch.Tensor] | None = None
 
     def fork(self) -> "HybridDrafter":
         other = copy.copy(self)
@@ -85,18 +87,30 @@ class HybridDrafter(Drafter):
             self.scores[source].observe(accepted_prefix(tokens, token_ids[anchor + 1:]), self.decay)
         self._last = None
 
+    def next_source(self, token_ids: torch.Tensor) -> str:
+        """Lookup when it has a continuation and scores at least the model, else the model
+        (decided here once per step; `propose` keeps the decision)."""
+        self._score_last(token_ids)
+        most = self.max_block_size - 1 if self.max_block_size else token_ids.numel()
+        continuation = self.lookup.propose_one(DraftRequest(self, token_ids, most, None)).tokens
+        use_lookup = bool(continuation.numel()) and self.scores["lookup"].expected >= self.scores["model"].expected
+        self._decided = (token_ids.numel(), "lookup" if use_lookup else "model", continuation)
+        return self._decided[1]
+
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(requests)
         proposals: list[dict[str, torch.Tensor]] = []  # per request: what each source proposed
         for i, request in enumerate(requests):
             fork: HybridDrafter = request.sequence
-            fork._score_last(request.token_ids)
-            lookup = fork.lookup.propose_one(request)
-            proposals.append({"lookup": lookup.tokens} if lookup.tokens.numel() else {})
-            use_lookup = bool(proposals[i]) and fork.scores["lookup"].expected >= fork.scores["model"].expected
-            fork.last_source = "lookup" if use_lookup else "model"
-            if use_lookup:
-                drafts[i] = lookup
+            if fork._decided is None or fork._decided[0] != request.token_ids.numel():
+                fork.next_source(request.token_ids)  # not asked before this step (no planner)
+            _, source, continuation = fork._decided
+            fork._decided = None
+            continuation = continuation[:request.num_drafts]
+            proposals.append({"lookup": continuation} if continuation.numel() else {})
+            fork.last_source = source
+            if source == "lookup":
+                drafts[i] = Draft(tokens=continuation.clone())
         by_model = [i for i, draft in enumerate(drafts) if draft is None]
         if by_model:  # every sequence the model drafts for, in one call (one pass where it can)
             inner = [DraftRequest(requests[i].sequence.model, requests[i].token_ids, requests[i].num_drafts,
