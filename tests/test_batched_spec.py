@@ -119,16 +119,19 @@ def test_serving_bench_closed_loop_counts_every_token(tmp_path):
     assert (tmp_path / "serving.png").stat().st_size > 0 and "speculative" in (tmp_path / "serving.md").read_text()
 
 
-def measured_planner(verify_ms: dict[int, float], draft_ms: dict[int, float], max_drafts: int = 7, cls=None):
+def measured_planner(verify_ms: dict[int, float], draft_ms: dict[int, float], max_drafts: int = 7, cls=None,
+                     sources=("model",)):
     """A DraftPlanner (or a `cls` of one) that has measured these verify costs and drafting
-    costs (both by size bucket: query tokens of the verify pass, drafted positions)."""
+    costs of these sources (both by size bucket: query tokens of the verify pass, drafted
+    positions)."""
     from blockspec.decoding.planner import DraftPlanner
 
     planner = (cls or DraftPlanner)(max_drafts)
     for bucket, ms in verify_ms.items():
         planner.verify.record(bucket, ms / 1000, planner.now)
     for bucket, ms in draft_ms.items():
-        planner.drafting.record(bucket, ms / 1000, planner.now)
+        for source in sources:
+            planner.drafting_for(source).record(bucket, ms / 1000, planner.now)
     return planner
 
 
@@ -151,6 +154,26 @@ def test_planner_drafts_a_full_block_for_one_predictable_row_and_nothing_under_l
     assert planner.plan([(evidence(0.05), 7)]) == [0]  # a row that accepts nothing decodes plainly
     # 8 rows of modest acceptance: 16+ query tokens cost more than the drafts bring
     assert planner.plan([(evidence(0.4), 7)] * 8) == [0] * 8
+
+
+def test_planner_picks_per_row_the_source_that_pays_or_a_plain_step():
+    """Sources offered per row in the drafter's order (the hybrid: lookup with the tokens its
+    continuation has, and the model): a row drafts with the first that pays, by the row's
+    evidence on it and its drafting cost; none paying, a plain step."""
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
+    planner.drafting_for("lookup").record(2, 0.0, planner.now)  # free, as measured
+
+    def offer(lookup_rate, model_rate, lookup_tokens=5):
+        return {"lookup": (evidence(lookup_rate, positions=lookup_tokens), lookup_tokens),
+                "model": (evidence(model_rate), 7)}
+
+    assert planner.plan_sources([offer(0.9, 0.1)]) == (["lookup"], [5])  # never past lookup's continuation
+    assert planner.plan_sources([offer(0.9, 0.9)]) == (["lookup"], [5])  # the drafter's preference, as it pays
+    assert planner.plan_sources([offer(0.02, 0.8)]) == (["model"], [7])  # lookup does not pay: the next source
+    assert planner.plan_sources([offer(0.02, 0.02)]) == ([None], [0])  # neither pays: plain
+    # one pass for the batch: each row with its own source; a row without a drafter stays plain
+    sources, counts = planner.plan_sources([offer(0.9, 0.1), None, offer(0.02, 0.9)])
+    assert sources == ["lookup", None, "model"] and counts[0] > 0 and counts[1] == 0 and counts[2] > 0
 
 
 def test_planner_lets_only_the_rows_that_pay_draft():
@@ -215,10 +238,11 @@ class ScriptedPlanner:
 
         self.planner, self.resume, self.step = DraftPlanner(7), resume, 0
 
-    def plan(self, rows):
+    def plan_sources(self, rows):
         self.step += 1
         drafting = self.step == 1 or self.step >= self.resume
-        return [row[1] if row is not None and drafting else 0 for row in rows]
+        offers = [next(iter(row.items())) if row is not None and drafting else (None, (None, 0)) for row in rows]
+        return [source for source, _ in offers], [allowed for _, (_, allowed) in offers]
 
     def __getattr__(self, name):  # ageing, observing and recording as the real planner does
         return getattr(self.planner, name)

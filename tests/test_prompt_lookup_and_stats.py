@@ -107,30 +107,30 @@ def test_the_planner_weighs_each_step_by_the_rates_of_the_source_that_drafts_it(
         def begin(self, prompt_ids, prompt_features):
             self.asked = None
 
-        def next_source(self, token_ids):
-            self.source = "good" if (token_ids.numel() // 3) % 2 == 0 else "bad"
+        def next_sources(self, token_ids):  # one source offered per step
             self.asked = token_ids.numel()
-            return self.source
+            return {"good" if (token_ids.numel() // 3) % 2 == 0 else "bad": None}
 
         def propose_one(self, request):
             assert self.asked == request.token_ids.numel()  # asked before this very step
             start = request.token_ids.numel()
             tokens = torch.tensor(reference[start:start + request.num_drafts])
-            drafted_by[self.source][-1] = request.num_drafts
-            return Draft(tokens=tokens if self.source == "good" else (tokens + 1) % 96)
+            drafted_by[request.source][-1] = request.num_drafts
+            return Draft(tokens=tokens if request.source == "good" else (tokens + 1) % 96)
 
     class FixedCosts(DraftPlanner):  # the measured CPU costs, not this run's timings
         def record(self, *args, **kwargs):
             pass
 
-    planner = measured_planner(CPU_VERIFY, CPU_DRAFT, cls=FixedCosts)
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT, cls=FixedCosts, sources=("good", "bad"))
     engine = SpecEngine(target, TwoSources(), 8, adaptive=True, planner=planner)
     original_plan = engine._plan
 
     def plan():
         counts = original_plan()
         for row in engine.rows:
-            drafted_by[row.source].append(0)
+            source = next(iter(row.drafter.next_sources(torch.tensor(row.tokens))))
+            drafted_by[source].append(0)
         return counts
 
     engine._plan = plan

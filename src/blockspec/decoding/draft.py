@@ -45,6 +45,7 @@ class DraftRequest:
     params: SamplingParams
     generator: torch.Generator | None = None  # the drafter's own random stream (sampled drafts)
     candidates: int = 0  # > 0: also return this many best tokens per position (`Draft.candidates`)
+    source: str | None = None  # the planner's pick among `Drafter.next_sources`; None: the drafter's own
 
 
 class Drafter(ABC):
@@ -73,13 +74,14 @@ class Drafter(ABC):
         sampling drafter draws from `request.generator`."""
         raise NotImplementedError(f"{type(self).__name__} overrides neither propose nor propose_one")
 
-    def next_source(self, token_ids: torch.Tensor) -> str:
-        """Asked of a sequence's fork before each step is planned: which of this drafter's
-        sources will draft next, given every committed token. The planner keeps acceptance
-        evidence per source, so a drafter that switches between sources (the hybrid: prompt
-        lookup, free and often long, or the model, which must earn its own pass) is planned
-        by the rates of the one that drafts. Default: one source."""
-        return "model"
+    def next_sources(self, token_ids: torch.Tensor) -> dict[str, int | None]:
+        """Asked of a sequence's fork before a planned step: the sources that could draft
+        next, given every committed token, in this drafter's order of preference, each with
+        the most tokens it has (None: as many as asked). The planner keeps acceptance
+        evidence and drafting costs per source and picks one (`DraftRequest.source`): a
+        drafter that switches between sources (the hybrid: prompt lookup, free and often
+        long, or the model, which must earn its pass) is planned by the rates of each."""
+        return {"model": None}
 
     def fork(self) -> "Drafter":
         """A drafter for another sequence, sharing weights but not per-sequence state. Default:

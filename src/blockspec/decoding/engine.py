@@ -57,7 +57,7 @@ class Row:
     drafter: Drafter | None = None  # this sequence's fork
     generator: torch.Generator | None = None  # the drafter's random choices (sampled drafts)
     sampler: TokenSampler | None = None  # the target's, keyed by output position
-    source: str = "model"  # the drafter's source this step (`Drafter.next_source`)
+    source: str | None = None  # the drafter's source the planner picked this step (`Drafter.next_sources`)
     evidence: dict[str, AcceptanceEvidence] = field(default_factory=dict)  # per source, for the planner
     # committed since the drafter last saw the sequence: shown to it when it drafts next
     unseen_ids: list = field(default_factory=list)
@@ -66,12 +66,15 @@ class Row:
     error: Exception | None = None  # set when this row failed on its own
     decode_started: float = 0.0
 
+    def evidence_for(self, source: str) -> AcceptanceEvidence:
+        if source not in self.evidence:
+            self.evidence[source] = AcceptanceEvidence(source=source)
+        return self.evidence[source]
+
     @property
     def acceptance(self) -> AcceptanceEvidence:
         """The planner's evidence on the source that drafts this step."""
-        if self.source not in self.evidence:
-            self.evidence[self.source] = AcceptanceEvidence(source=self.source)
-        return self.evidence[self.source]
+        return self.evidence_for(self.source or "model")
 
     @property
     def tokens_left(self) -> int:
@@ -218,9 +221,10 @@ class SpecEngine:
                 finished.append(i)
         if self.planner is not None:  # drafting's cost includes the catch-up of the drafting rows
             width = max(len(block) for block in blocks)
-            drafting_rows = sum(1 for count in plan if count)
+            drafting_rows = [row.source for row, count in zip(self.rows, plan) if count]
             self.planner.record(len(blocks) * width, time.perf_counter() - started - drafting_seconds,
-                                drafting_rows * width, drafting_seconds)
+                                len(drafting_rows) * width, drafting_seconds,
+                                drafting_rows[0] if len(set(drafting_rows)) == 1 else None)
         for i in reversed(finished):
             self._finish(i)
 
@@ -268,11 +272,15 @@ class SpecEngine:
                    for row in self.rows]
         if self.planner is None:
             return allowed
-        for row in self.rows:
-            if row.drafter is not None:
-                row.source = row.drafter.next_source(torch.tensor(row.tokens))
-        return self.planner.plan([(row.acceptance, count) if row.drafter is not None else None
-                                  for row, count in zip(self.rows, allowed)])
+        offers = []
+        for row, count in zip(self.rows, allowed):
+            sources = row.drafter.next_sources(torch.tensor(row.tokens)) if row.drafter is not None else {}
+            offers.append({source: (row.evidence_for(source), count if most is None else min(count, most))
+                           for source, most in sources.items()} or None)
+        sources, counts = self.planner.plan_sources(offers)
+        for row, source in zip(self.rows, sources):
+            row.source = source
+        return counts
 
     def _propose(self, plan: list[int]) -> list[Draft]:
         drafting = [i for i, count in enumerate(plan) if count]
@@ -285,7 +293,7 @@ class SpecEngine:
             row = self.rows[i]
             row.catch_up_drafter()
             requests.append(DraftRequest(row.drafter, torch.tensor(row.tokens), plan[i], row.params, row.generator,
-                                         candidates))
+                                         candidates, row.source))
         for i, draft in zip(drafting, self.drafter.propose(requests)):
             drafts[i] = draft
         return drafts

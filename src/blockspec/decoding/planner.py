@@ -107,12 +107,19 @@ class DraftPlanner:
         self.max_drafts = max_drafts
         self.decay, self.pooled_decay = decay, pooled_decay
         self.verify = CostTable(decay, stale_after)  # key: size bucket of the verify pass
-        self.drafting = CostTable(decay, stale_after)  # key: size bucket of the drafted positions
+        self.stale_after = stale_after
+        # per drafter source, key: size bucket of the drafted positions
+        self.drafting: dict[str, CostTable] = {}
         # every row's evidence per drafter source, decayed more slowly: the prior of each row
         self.pooled: dict[str, AcceptanceEvidence] = {}
         self.now = 0
 
     # --- acceptance -------------------------------------------------------------------------
+    def drafting_for(self, source: str) -> CostTable:
+        if source not in self.drafting:
+            self.drafting[source] = CostTable(self.decay, self.stale_after)
+        return self.drafting[source]
+
     def pooled_for(self, source: str) -> AcceptanceEvidence:
         if source not in self.pooled:
             self.pooled[source] = AcceptanceEvidence(source=source)
@@ -179,44 +186,81 @@ class DraftPlanner:
 
     # --- the plan ---------------------------------------------------------------------------
     def plan(self, rows: list[tuple[AcceptanceEvidence, int] | None]) -> list[int]:
-        """Drafts per row. `rows`: (evidence, most drafts allowed) of each row that can draft,
-        None for a row that cannot (no drafter)."""
+        """Drafts per row, for rows with one source each. `rows`: (evidence, most drafts
+        allowed) of each row that can draft, None for a row that cannot (no drafter)."""
+        return self.plan_sources([None if row is None else {row[0].source: row} for row in rows])[1]
+
+    def plan_sources(self, rows: list[dict[str, tuple[AcceptanceEvidence, int]] | None]
+                     ) -> tuple[list[str | None], list[int]]:
+        """The source and the draft count of every row. `rows`: per row, the sources that
+        could draft it this step (`Drafter.next_sources`, in the drafter's order of
+        preference), each with the row's evidence on it and the most drafts it may propose;
+        None for a row that cannot draft. A row drafts with its first source that would pay
+        (more tokens per second than the plain step, counting that source's drafting time;
+        prompt lookup's is ~0, as measured), so a preferred source that does not pay now
+        leaves the step to the next one rather than to a plain step. (The drafter orders
+        them: a model's tree is sized only after it drafted, so its cost is not known here
+        to weigh it against lookup's chain.) Then, at each draft count, the rows that gain
+        most draft first, and a row joins only while it brings more than it costs."""
         self.now += 1
         batch = len(rows)
-        plain = [0] * batch
-        can_draft = [(i, row) for i, row in enumerate(rows) if row is not None and row[1] > 0]
-        if not can_draft or self.max_drafts < 1:
-            return plain
-        if not self.verify.fresh(self.now):  # nothing measured yet: start by drafting in full
-            return [min(self.max_drafts, row[1]) if row is not None else 0 for row in rows]
-        verify, drafting = self.verify.estimates(self.now), self.drafting.estimates(self.now)
-        most = min(self.max_drafts, max(allowed for _, (_, allowed) in can_draft))
-        # E[accepted] for every draft count, once per row: gains[i][k - 1] for k drafts
-        gains = {i: self.expected_accepted(evidence, min(most, allowed))
-                 for i, (evidence, allowed) in can_draft}
-        best_plan, best_goodput = plain, _goodput(batch, verify(size_bucket(batch)))
+        sources: list[str | None] = [None] * batch
+        offers = {i: {source: offer for source, offer in row.items() if offer[1] > 0}
+                  for i, row in enumerate(rows) if row is not None}
+        offers = {i: offer for i, offer in offers.items() if offer}
+        if not offers or self.max_drafts < 1:
+            return sources, [0] * batch
+        if not self.verify.fresh(self.now):  # nothing measured yet: draft in full, each row's first source
+            counts = [0] * batch
+            for i, offer in offers.items():
+                sources[i], (_, allowed) = next(iter(offer.items()))
+                counts[i] = min(self.max_drafts, allowed)
+            return sources, counts
+        verify = self.verify.estimates(self.now)
+        drafting = {source: self.drafting_for(source).estimates(self.now)
+                    for offer in offers.values() for source in offer}
+        plain_goodput = _goodput(batch, verify(size_bucket(batch)))
+
+        def pays(source: str, evidence: AcceptanceEvidence, allowed: int) -> bool:
+            gains = self.expected_accepted(evidence, min(self.max_drafts, allowed))
+            return any(_goodput(batch + gain, verify(size_bucket(batch * (2 + k))) + drafting[source](size_bucket(2 + k)))
+                       > plain_goodput for k, gain in enumerate(gains))
+
+        for i, offer in offers.items():  # one source per row: its first that pays (else its first)
+            first = next((source for source, (evidence, allowed) in offer.items() if pays(source, evidence, allowed)),
+                         next(iter(offer)))
+            offers[i] = {first: offer[first]}
+        most = min(self.max_drafts, max(allowed for offer in offers.values() for _, allowed in offer.values()))
+        # E[accepted] for every draft count, once per row: gains[i, source][k - 1] for k drafts
+        gains = {(i, source): self.expected_accepted(evidence, min(most, allowed))
+                 for i, offer in offers.items() for source, (evidence, allowed) in offer.items()}
+        best_plan, best_goodput = (sources, [0] * batch), plain_goodput
         for drafts in range(1, most + 1):
             verify_seconds = verify(size_bucket(batch * (1 + drafts)))
-            ranked = sorted(((gains[i][min(drafts, len(gains[i])) - 1], i) for i, _ in can_draft), reverse=True)
+            ranked = sorted(((gains[i, source][min(drafts, len(gains[i, source])) - 1], i, source)
+                             for i, offer in offers.items() for source in offer), reverse=True)
             # the rows that gain most draft first; stop adding rows once one costs more than it brings
-            tokens, goodput, chosen = float(batch), 0.0, []
-            for gain, i in ranked:
-                seconds = verify_seconds + drafting(size_bucket((len(chosen) + 1) * (1 + drafts)))
+            tokens, goodput, chosen, by_source = float(batch), 0.0, [], {}
+            for gain, i, source in ranked:
+                rows_of = {**by_source, source: by_source.get(source, 0) + 1}
+                seconds = verify_seconds + sum(drafting[s](size_bucket(n * (1 + drafts))) for s, n in rows_of.items())
                 if chosen and _goodput(tokens + gain, seconds) <= goodput:
                     break
-                tokens, goodput = tokens + gain, _goodput(tokens + gain, seconds)
-                chosen.append(i)
+                tokens, goodput, by_source = tokens + gain, _goodput(tokens + gain, seconds), rows_of
+                chosen.append((i, source))
             if goodput > best_goodput:
                 best_goodput = goodput
-                best_plan = [0] * batch
-                for i in chosen:
-                    best_plan[i] = min(drafts, rows[i][1])
+                best_plan = ([None] * batch, [0] * batch)
+                for i, source in chosen:
+                    best_plan[0][i] = source
+                    best_plan[1][i] = min(drafts, offers[i][source][1])
         return best_plan
 
     def record(self, query_tokens: int, verify_seconds: float, drafted_positions: int,
-               drafting_seconds: float) -> None:
+               drafting_seconds: float, source: str | None = "model") -> None:
         """What one step cost: its verify pass over `query_tokens` (padding included) and the
-        drafting of `drafted_positions` (drafting rows x (1 + drafts), padding included)."""
+        drafting of `drafted_positions` (drafting rows x (1 + drafts), padding included) by
+        `source` (None: rows drafted with different sources, whose shares are not known)."""
         self.verify.record(size_bucket(query_tokens), verify_seconds, self.now)
-        if drafted_positions:
-            self.drafting.record(size_bucket(drafted_positions), drafting_seconds, self.now)
+        if drafted_positions and source is not None:
+            self.drafting_for(source).record(size_bucket(drafted_positions), drafting_seconds, self.now)

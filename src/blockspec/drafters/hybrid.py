@@ -5,14 +5,16 @@ ArcticInference, scored per request).
 Each source is scored by its accepted drafts per proposal in THIS sequence (decayed, over
 a prior of one token). Prompt lookup is free, so its score is kept up to date every step,
 also when the model drafted (what lookup would have proposed is checked against what was
-committed). The model's score moves only when it drafts. Lookup drafts when it has a
-continuation and scores at least the model; otherwise the model drafts, and its pass is
-then skipped for that sequence. When a token tree is asked for and the model drafts, the
-lookup continuation (if any) joins its tree as a branch, each of its tokens right with
-probability E / (1 + E) for lookup's score E (a geometric run of that mean): the tree
-then spends nodes on it only where it is likelier than the model's own paths. (Measured:
-running the model every step and only branching lookup in was slower on code and chat,
-where lookup alone wins, than this choice; docs/benchmarks.md, session 7.) How many tokens a proposal was worth is read from the
+committed). The model's score moves only when it drafts. Without a planner, lookup drafts
+when it has a continuation and scores at least the model; otherwise the model drafts, and
+its pass is then skipped for that sequence. With one (the default), both sources are
+offered every step (`next_sources`) and the planner picks lookup, the model or a plain
+step by its own per-source evidence and costs: lookup's long runs of copied text are then
+not planned away by the model's misses, nor the model's trees by lookup's. When a token
+tree is asked for and the model drafts, the lookup continuation (if any) joins its tree as
+a branch, each of its tokens right with probability E / (1 + E) for lookup's score E (a
+geometric run of that mean): the tree then spends nodes on it only where it is likelier
+than the model's own paths. How many tokens a proposal was worth is read from the
 committed tokens at the next proposal: the longest prefix of the draft they repeat is
 exactly what the verifier accepted (a rejected draft token is never the target's token).
 """
@@ -87,15 +89,21 @@ class HybridDrafter(Drafter):
             self.scores[source].observe(accepted_prefix(tokens, token_ids[anchor + 1:]), self.decay)
         self._last = None
 
-    def next_source(self, token_ids: torch.Tensor) -> str:
-        """Lookup when it has a continuation and scores at least the model, else the model
-        (decided here once per step; `propose` keeps the decision)."""
+    def next_sources(self, token_ids: torch.Tensor) -> dict[str, int | None]:
+        """Lookup (as many tokens as its continuation has) when it has a continuation, and
+        the model; the one scoring higher first (ties: lookup, it is free). The decision
+        and lookup's continuation are kept for this step's `propose`."""
         self._score_last(token_ids)
         most = self.max_block_size - 1 if self.max_block_size else token_ids.numel()
         continuation = self.lookup.propose_one(DraftRequest(self, token_ids, most, None)).tokens
-        use_lookup = bool(continuation.numel()) and self.scores["lookup"].expected >= self.scores["model"].expected
-        self._decided = (token_ids.numel(), "lookup" if use_lookup else "model", continuation)
-        return self._decided[1]
+        if not continuation.numel():
+            sources = {"model": None}
+        elif self.scores["lookup"].expected >= self.scores["model"].expected:
+            sources = {"lookup": continuation.numel(), "model": None}
+        else:
+            sources = {"model": None, "lookup": continuation.numel()}
+        self._decided = (token_ids.numel(), next(iter(sources)), continuation)
+        return sources
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(requests)
@@ -103,9 +111,10 @@ class HybridDrafter(Drafter):
         for i, request in enumerate(requests):
             fork: HybridDrafter = request.sequence
             if fork._decided is None or fork._decided[0] != request.token_ids.numel():
-                fork.next_source(request.token_ids)  # not asked before this step (no planner)
-            _, source, continuation = fork._decided
+                fork.next_sources(request.token_ids)  # not planned: this drafter's own choice
+            _, preferred, continuation = fork._decided
             fork._decided = None
+            source = request.source or preferred
             continuation = continuation[:request.num_drafts]
             proposals.append({"lookup": continuation} if continuation.numel() else {})
             fork.last_source = source
