@@ -16,7 +16,7 @@ from blockspec.drafters.registry import NAMED_DRAFTERS, load_drafter
 from blockspec.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter
 from blockspec.pipeline import SpecDecoder
 from blockspec.targets.loading import load_target, resolve_target
-from conftest import assert_same_or_near_tie, hf_greedy, tiny_target
+from conftest import DATA_DIR, assert_same_or_near_tie, hf_greedy, tiny_target
 
 pytestmark = pytest.mark.real
 
@@ -120,6 +120,24 @@ def test_cli_default_generate_verifies_trees_and_chain_does_not():
                    for extra in ((), ("--chain",))]
     assert tree["token_ids"] == chain["token_ids"]
     assert tree["stats"].get("tree_steps", 0) > 0 and "tree_steps" not in chain["stats"]
+
+
+def test_eval_drafter_measures_trees_beside_chains(tmp_path):
+    """Held-out tau of the shipped drafter with its full 15-draft chain and with full 32-node
+    trees (what the default command verifies at most): same prompts (T=0, so the same
+    outputs), the trees accept more, and the JSON says which was measured."""
+    data = str(DATA_DIR)
+    results = {}
+    for name, extra in (("chain", ()), ("tree", ("--tree-budget", "32"))):
+        out = tmp_path / f"{name}.json"
+        cli("eval-drafter", "auto", "--datasets", "gsm8k", "--data-dir", data, "--limit", "2",
+            "--max-new-tokens", "32", "--output", str(out), *extra)
+        results[name] = json.loads(out.read_text())
+    assert results["chain"]["tree_budget"] is None and results["tree"]["tree_budget"] == 32
+    chain, tree = (results[name]["datasets"]["gsm8k"] for name in ("chain", "tree"))
+    assert tree["tau"] >= chain["tau"] > 1.0 and tree["pos1"] >= chain["pos1"]
+    proc = cli("eval-drafter", "auto", "--tree-budget", "0", check=False)
+    assert proc.returncode == 2 and "tree node budget" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.fixture(scope="module")

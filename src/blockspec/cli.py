@@ -9,7 +9,7 @@ import sys
 
 from blockspec import __version__
 from blockspec.defaults import DEFAULT_TREE_BUDGET
-from blockspec.errors import BlockspecError
+from blockspec.errors import BlockspecError, InvalidArgumentError
 
 
 def _positive_int(text: str) -> int:
@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument("--max-new-tokens", type=_positive_int, default=128)
     heldout.add_argument("--block-size", type=_positive_int, default=16)
     heldout.add_argument("--seed", type=int, default=1, help="which subset (the bench uses 0)")
+    heldout.add_argument("--tree-budget", type=int, default=None,
+                         help="verify token trees of N nodes every step (default: chains of block-size - 1 drafts)")
     heldout.add_argument("--threads", type=_positive_int, default=None)
     heldout.add_argument("--output", default=None, help="also write the result as JSON here")
     heldout.set_defaults(run=_eval_drafter)
@@ -227,12 +229,15 @@ def _eval_drafter(args) -> int:
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     if not datasets:
         raise BlockspecError("--datasets is empty")
+    if args.tree_budget is not None and args.tree_budget < 1:
+        raise InvalidArgumentError(f"tree node budget must be >= 1, got {args.tree_budget}")
     target = load_target(args.target, threads=args.threads)
     drafter = load_drafter(args.drafter, target)
     if drafter is None:
         raise BlockspecError("eval-drafter needs a drafter, not 'none'")
     result = heldout_acceptance(target, drafter, datasets=datasets, data_dir=args.data_dir, limit=args.limit,
-                                max_new_tokens=args.max_new_tokens, block_size=args.block_size, seed=args.seed)
+                                max_new_tokens=args.max_new_tokens, block_size=args.block_size, seed=args.seed,
+                                tree_budget=args.tree_budget)
     result["drafter"] = args.drafter
     print(format_acceptance(result))
     if args.output:

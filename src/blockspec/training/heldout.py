@@ -54,12 +54,15 @@ class Acceptance:
 
 def heldout_acceptance(target, drafter, *, datasets: list[str], data_dir: str | None, limit: int,
                        max_new_tokens: int = 128, block_size: int = 16, seed: int = 1,
-                       progress: bool = True) -> dict:
+                       tree_budget: int | None = None, progress: bool = True) -> dict:
     """{'datasets': {name: {...}}, 'domains': {'math+code': {...}, 'chat': {...}}} at T=0.
-    `seed` picks the subset of each test split (the bench uses seed 0 for its own)."""
-    # the drafter's quality, not the planner's choices: a full chain every step (a planned
-    # decoder drafts less, or not at all, where drafting does not pay on this machine)
-    decoder = SpecDecoder(target, drafter, block_size, plan=False, tree_budget=None)
+    `seed` picks the subset of each test split (the bench uses seed 0 for its own).
+    `tree_budget`: verify token trees of exactly this many nodes (what the default command
+    verifies at most); None: chains of block_size - 1 drafts. pos1 is then the share of
+    steps that accepted a node of the tree's first level."""
+    # the drafter's quality, not the planner's choices: a full chain (or a full tree) every
+    # step (a planned decoder drafts less, or not at all, where drafting does not pay here)
+    decoder = SpecDecoder(target, drafter, block_size, plan=False, tree_budget=tree_budget)
     # a reduced draft vocabulary: every target token outside it is a certain rejection
     d2t = getattr(getattr(drafter, "model", None), "d2t", None)
     proposable = set(d2t.tolist()) if d2t is not None else None
@@ -78,8 +81,8 @@ def heldout_acceptance(target, drafter, *, datasets: list[str], data_dir: str | 
                 pool.in_vocabulary += covered
     return {"datasets": {name: a.as_dict() for name, a in per_dataset.items()},
             "domains": {name: a.as_dict() for name, a in per_domain.items()},
-            "block_size": block_size, "max_new_tokens": max_new_tokens, "prompts_per_dataset": limit,
-            "subset_seed": seed}
+            "block_size": block_size, "tree_budget": tree_budget, "max_new_tokens": max_new_tokens,
+            "prompts_per_dataset": limit, "subset_seed": seed}
 
 
 def format_acceptance(result: dict) -> str:
