@@ -31,3 +31,16 @@ $BS bench --quick --data-dir "$DATA" --no-memory --output runs/bench-quick
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 1 --no-memory \
     --methods baseline,default,default-chain,prompt-lookup,dflash-tree,dflash-b8,dflash-tree-n8,dflash-tree-n16,dflash-tree-n32 \
     --output runs/bench-s7
+
+# session 8 (what the README table shows): the default command, --chain and lookup on the idle machine
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --methods baseline,default,default-chain,prompt-lookup --output runs/bench-s8
+# held-out tau of the shipped drafter as full chains and as full 32-node trees
+$BS eval-drafter auto --data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --output runs/eval-s8/chain.json
+$BS eval-drafter auto --data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --tree-budget 32 \
+    --output runs/eval-s8/tree32.json
+# serving with token trees against chains (1 and 4 clients)
+for TREES in "" "--tree-budget 32"; do
+  $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-tokens 64 --repeats 2 $TREES \
+      --output "runs/bench-serve-s8${TREES:+-tree}"
+done
