@@ -40,7 +40,7 @@ $BS eval-drafter auto --data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-
 $BS eval-drafter auto --data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --tree-budget 32 \
     --output runs/eval-s8/tree32.json
 # serving with token trees against chains (1 and 4 clients)
-for TREES in "" "--tree-budget 32"; do
-  $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-tokens 64 --repeats 2 $TREES \
-      --output "runs/bench-serve-s8${TREES:+-tree}"
-done
+$BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-tokens 64 --repeats 2 \
+    --output runs/bench-serve-s8-chain
+$BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-tokens 64 --repeats 2 --tree-budget 32 \
+    --output runs/bench-serve-s8-tree
