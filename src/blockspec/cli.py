@@ -154,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=_positive_int, default=8,
                        help="requests decoded together in one target pass per step (1: one at a time)")
     serve.add_argument("--threads", type=_positive_int, default=None)
-    serve.add_argument("--tree-budget", type=_positive_int, default=None,
+    serve.add_argument("--tree-budget", type=_positive_int, default=DEFAULT_TREE_BUDGET,
                        help="verify token trees of at most this many nodes per request and step (batched; the planner "
-                            "picks the count); default: chains")
+                            f"picks the count; default {DEFAULT_TREE_BUDGET})")
+    serve.add_argument("--chain", action="store_true", help="draft one chain per request and step instead of trees")
     serve.set_defaults(run=_serve)
 
     serving = commands.add_parser("bench-serve", help="batched serving throughput at several concurrency levels, "
@@ -172,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--dataset", default="gsm8k")
     serving.add_argument("--data-dir", default=None)
     serving.add_argument("--seed", type=int, default=0)
-    serving.add_argument("--tree-budget", type=_positive_int, default=None, help="as for serve (default: chains)")
+    serving.add_argument("--tree-budget", type=_positive_int, default=DEFAULT_TREE_BUDGET,
+                         help=f"as for serve (default {DEFAULT_TREE_BUDGET})")
+    serving.add_argument("--chain", action="store_true", help="as for serve: chains instead of trees")
     serving.add_argument("--output", default="runs/bench-serve")
     serving.set_defaults(run=_bench_serve)
 
@@ -454,7 +457,7 @@ def _serve(args) -> int:
     allowed_hosts = ("127.0.0.1", "localhost", "[::1]", "::1") if loopback else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads,
-                             tree_budget=args.tree_budget)
+                             tree_budget=None if args.chain else args.tree_budget)
     config = ServerConfig(model_name=args.model_name or args.target, api_key=api_key, max_queue=args.max_queue,
                           request_timeout_s=args.request_timeout, max_batch=args.max_batch,
                           max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts)
@@ -481,7 +484,8 @@ def _bench_serve(args) -> int:
         raise BlockspecError(f"--concurrency takes integers like 1,2,4,8, got {args.concurrency!r}") from None
     if not levels or min(levels) < 1:
         raise BlockspecError("--concurrency levels must be >= 1")
-    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, tree_budget=args.tree_budget)
+    decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size,
+                             tree_budget=None if args.chain else args.tree_budget)
     if decoder.drafter is None:
         raise BlockspecError("bench-serve compares a drafter with the plain batched loop: pass --drafter")
     prompts = [decoder.target.encode_prompt(p.turns[0])
