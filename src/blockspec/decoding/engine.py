@@ -4,7 +4,8 @@
 
 - admit: prefill each waiting sequence, sample its first token, `begin` its drafter.
 - plan: how many tokens each row drafts (a fixed block, or the goodput planner's choice,
-  down to none: a plain step).
+  down to none: a plain step) and, for a drafter with several sources (the hybrid), which
+  source drafts them (`Drafter.next_sources`; the planner keeps evidence per source).
 - propose: every drafting row's draft in one drafter call (one pass where the drafter can).
   With a tree budget, the drafter's per-position candidates grow a token tree per row
   (`tree.py`), cut to the node count the planner chooses (or the budget).

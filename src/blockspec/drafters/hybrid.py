@@ -8,9 +8,10 @@ also when the model drafted (what lookup would have proposed is checked against 
 committed). The model's score moves only when it drafts. Without a planner, lookup drafts
 when it has a continuation and scores at least the model; otherwise the model drafts, and
 its pass is then skipped for that sequence. With one (the default), both sources are
-offered every step (`next_sources`) and the planner picks lookup, the model or a plain
-step by its own per-source evidence and costs: lookup's long runs of copied text are then
-not planned away by the model's misses, nor the model's trees by lookup's. When a token
+offered every step in that order (`next_sources`) and the planner drafts with the first
+that pays by its own per-source evidence and costs, else takes a plain step: lookup's long
+runs of copied text are then not planned away by the model's misses, nor the model's trees
+by lookup's. When a token
 tree is asked for and the model drafts, the lookup continuation (if any) joins its tree as
 a branch, each of its tokens right with probability E / (1 + E) for lookup's score E (a
 geometric run of that mean): the tree then spends nodes on it only where it is likelier
@@ -65,7 +66,7 @@ class HybridDrafter(Drafter):
         self.last_source: str | None = None  # which source drafted the last proposal
         # the last proposal, scored at the next one: (anchor index, {source: tokens proposed})
         self._last: tuple[int, dict[str, torch.Tensor]] | None = None
-        # this step's choice, made by `next_source`: (committed tokens, source, lookup's continuation)
+        # this step's choice, made by `next_sources`: (committed tokens, source, lookup's continuation)
         self._decided: tuple[int, str, torch.Tensor] | None = None
 
     def fork(self) -> "HybridDrafter":
