@@ -156,21 +156,25 @@ def test_planner_drafts_a_full_block_for_one_predictable_row_and_nothing_under_l
     assert planner.plan([(evidence(0.4), 7)] * 8) == [0] * 8
 
 
-def test_planner_picks_per_row_the_source_that_pays_or_a_plain_step():
-    """Sources offered per row in the drafter's order (the hybrid: lookup with the tokens its
-    continuation has, and the model): a row drafts with the first that pays, by the row's
-    evidence on it and its drafting cost; none paying, a plain step."""
+def test_planner_picks_per_row_the_source_that_pays_most_or_a_plain_step():
+    """Sources offered per row (the hybrid: lookup with the tokens its continuation has, and
+    the model): each weighed alone by the row's evidence on it, its drafting cost and its
+    verify width (a tree source: its recent trees' size); none paying, a plain step."""
     planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
     planner.drafting_for("lookup").record(2, 0.0, planner.now)  # free, as measured
 
-    def offer(lookup_rate, model_rate, lookup_tokens=5):
-        return {"lookup": (evidence(lookup_rate, positions=lookup_tokens), lookup_tokens),
-                "model": (evidence(model_rate), 7)}
+    def offer(lookup_rate, model_rate, lookup_tokens=5, model_tree_width=0.0):
+        model = evidence(model_rate)
+        model.tree_width = model_tree_width
+        return {"lookup": (evidence(lookup_rate, positions=lookup_tokens), lookup_tokens), "model": (model, 7)}
 
     assert planner.plan_sources([offer(0.9, 0.1)]) == (["lookup"], [5])  # never past lookup's continuation
-    assert planner.plan_sources([offer(0.9, 0.9)]) == (["lookup"], [5])  # the drafter's preference, as it pays
-    assert planner.plan_sources([offer(0.02, 0.8)]) == (["model"], [7])  # lookup does not pay: the next source
+    assert planner.plan_sources([offer(0.6, 0.6, lookup_tokens=7)])[0] == ["lookup"]  # equal rates: lookup costs no pass
+    assert planner.plan_sources([offer(0.02, 0.8)]) == (["model"], [7])
     assert planner.plan_sources([offer(0.02, 0.02)]) == ([None], [0])  # neither pays: plain
+    # the model's trees verify ~31 nodes: a 7-token lookup chain that gets somewhat less pays more
+    assert planner.plan_sources([offer(0.6, 0.7, lookup_tokens=7)])[0] == ["model"]
+    assert planner.plan_sources([offer(0.6, 0.7, lookup_tokens=7, model_tree_width=31)])[0] == ["lookup"]
     # one pass for the batch: each row with its own source; a row without a drafter stays plain
     sources, counts = planner.plan_sources([offer(0.9, 0.1), None, offer(0.02, 0.9)])
     assert sources == ["lookup", None, "model"] and counts[0] > 0 and counts[1] == 0 and counts[2] > 0

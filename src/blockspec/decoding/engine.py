@@ -346,7 +346,8 @@ class SpecEngine:
             for evidence in row.evidence.values():
                 self.planner.age(evidence)
             if drafted:
-                self.planner.observe(row.acceptance, depth, accept_length, predicted)
+                self.planner.observe(row.acceptance, depth, accept_length, predicted,
+                                     drafted if draft.parents is not None else None)
         self.commit_chunk(row, accepted + [bonus], logits[kept])
 
     @staticmethod

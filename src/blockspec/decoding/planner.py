@@ -41,6 +41,7 @@ class AcceptanceEvidence:
     # trees: decayed accepted drafts and what the trees' scores predicted (a prior of one each)
     tree_accepted: float = 1.0
     tree_predicted: float = 1.0
+    tree_width: float = 0.0  # nodes of this source's recent trees (decayed mean; 0: no tree yet)
     source: str = "model"  # the drafter's source it is about (`Drafter.next_source`)
 
     def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
@@ -149,14 +150,18 @@ class DraftPlanner:
             expected.append(total)
         return expected
 
-    def observe(self, evidence: AcceptanceEvidence, drafted: int, accepted: int, predicted: float | None = None) -> None:
+    def observe(self, evidence: AcceptanceEvidence, drafted: int, accepted: int, predicted: float | None = None,
+                nodes: int | None = None) -> None:
         """A step drafted `drafted` positions (a tree: its depth) and `accepted` were kept;
-        `predicted`: what the tree's scores expected."""
+        a tree's `predicted`: what its scores expected, `nodes`: its size."""
         evidence.observe(drafted, accepted)
         self.pooled_for(evidence.source).observe(drafted, accepted, self.pooled_decay)
         if predicted is not None:
             evidence.tree_accepted = self.decay * evidence.tree_accepted + accepted
             evidence.tree_predicted = self.decay * evidence.tree_predicted + predicted
+        if nodes is not None:
+            fresh = evidence.tree_width == 0.0
+            evidence.tree_width = nodes if fresh else self.decay * evidence.tree_width + (1 - self.decay) * nodes
 
     def tree_gains(self, evidence: AcceptanceEvidence, tree) -> list[float]:
         """E[accepted drafts] of the tree's first n nodes, n = 1..len, calibrated for the row."""
@@ -195,13 +200,13 @@ class DraftPlanner:
         """The source and the draft count of every row. `rows`: per row, the sources that
         could draft it this step (`Drafter.next_sources`, in the drafter's order of
         preference), each with the row's evidence on it and the most drafts it may propose;
-        None for a row that cannot draft. A row drafts with its first source that would pay
-        (more tokens per second than the plain step, counting that source's drafting time;
-        prompt lookup's is ~0, as measured), so a preferred source that does not pay now
-        leaves the step to the next one rather than to a plain step. (The drafter orders
-        them: a model's tree is sized only after it drafted, so its cost is not known here
-        to weigh it against lookup's chain.) Then, at each draft count, the rows that gain
-        most draft first, and a row joins only while it brings more than it costs."""
+        None for a row that cannot draft. Each row drafts with the source of the best
+        goodput on its own (ties: the drafter's order), counting that source's drafting
+        time (prompt lookup's is ~0, as measured) and its verify width: a chain's drafts,
+        or, for a source verified as token trees, its recent trees' node count (a tree is
+        sized only after the drafter ran, so its recent trees stand for it here). Then, at
+        each draft count, the rows that gain most draft first, and a row joins only while
+        it brings more than it costs."""
         self.now += 1
         batch = len(rows)
         sources: list[str | None] = [None] * batch
@@ -219,41 +224,46 @@ class DraftPlanner:
         verify = self.verify.estimates(self.now)
         drafting = {source: self.drafting_for(source).estimates(self.now)
                     for offer in offers.values() for source in offer}
-        plain_goodput = _goodput(batch, verify(size_bucket(batch)))
 
-        def pays(source: str, evidence: AcceptanceEvidence, allowed: int) -> bool:
+        def width(evidence: AcceptanceEvidence, drafts: int) -> int:
+            """Tokens per row in the verify pass: anchor + drafts, or the source's recent trees."""
+            return max(1 + drafts, round(1 + evidence.tree_width))
+
+        def alone(source: str, evidence: AcceptanceEvidence, allowed: int) -> float:
             gains = self.expected_accepted(evidence, min(self.max_drafts, allowed))
-            return any(_goodput(batch + gain, verify(size_bucket(batch * (2 + k))) + drafting[source](size_bucket(2 + k)))
-                       > plain_goodput for k, gain in enumerate(gains))
+            return max(_goodput(batch + gain, verify(size_bucket(batch * width(evidence, k + 1)))
+                                + drafting[source](size_bucket(2 + k))) for k, gain in enumerate(gains))
 
-        for i, offer in offers.items():  # one source per row: its first that pays (else its first)
-            first = next((source for source, (evidence, allowed) in offer.items() if pays(source, evidence, allowed)),
-                         next(iter(offer)))
-            offers[i] = {first: offer[first]}
+        for i, offer in offers.items():  # one source per row: the best alone (ties: the drafter's order)
+            ranked = [(alone(source, evidence, allowed), -order, source)
+                      for order, (source, (evidence, allowed)) in enumerate(offer.items())]
+            best = max(ranked)[2]
+            offers[i] = {best: offer[best]}
         most = min(self.max_drafts, max(allowed for offer in offers.values() for _, allowed in offer.values()))
-        # E[accepted] for every draft count, once per row: gains[i, source][k - 1] for k drafts
-        gains = {(i, source): self.expected_accepted(evidence, min(most, allowed))
-                 for i, offer in offers.items() for source, (evidence, allowed) in offer.items()}
-        best_plan, best_goodput = (sources, [0] * batch), plain_goodput
+        # E[accepted] for every draft count, once per row: gains[i][k - 1] for k drafts
+        chosen_source = {i: next(iter(offer)) for i, offer in offers.items()}
+        gains = {i: self.expected_accepted(offers[i][s][0], min(most, offers[i][s][1])) for i, s in chosen_source.items()}
+        best_plan, best_goodput = (sources, [0] * batch), _goodput(batch, verify(size_bucket(batch)))
         for drafts in range(1, most + 1):
-            verify_seconds = verify(size_bucket(batch * (1 + drafts)))
-            ranked = sorted(((gains[i, source][min(drafts, len(gains[i, source])) - 1], i, source)
-                             for i, offer in offers.items() for source in offer), reverse=True)
+            ranked = sorted(((gains[i][min(drafts, len(gains[i])) - 1], i) for i in offers), reverse=True)
             # the rows that gain most draft first; stop adding rows once one costs more than it brings
-            tokens, goodput, chosen, by_source = float(batch), 0.0, [], {}
-            for gain, i, source in ranked:
+            tokens, goodput, chosen, by_source, pass_width = float(batch), 0.0, [], {}, 1
+            for gain, i in ranked:
+                source, evidence = chosen_source[i], offers[i][chosen_source[i]][0]
                 rows_of = {**by_source, source: by_source.get(source, 0) + 1}
-                seconds = verify_seconds + sum(drafting[s](size_bucket(n * (1 + drafts))) for s, n in rows_of.items())
+                row_width = max(pass_width, width(evidence, drafts))
+                seconds = verify(size_bucket(batch * row_width)) + sum(
+                    drafting[s](size_bucket(n * (1 + drafts))) for s, n in rows_of.items())
                 if chosen and _goodput(tokens + gain, seconds) <= goodput:
                     break
-                tokens, goodput, by_source = tokens + gain, _goodput(tokens + gain, seconds), rows_of
-                chosen.append((i, source))
+                tokens, goodput, by_source, pass_width = tokens + gain, _goodput(tokens + gain, seconds), rows_of, row_width
+                chosen.append(i)
             if goodput > best_goodput:
                 best_goodput = goodput
                 best_plan = ([None] * batch, [0] * batch)
-                for i, source in chosen:
-                    best_plan[0][i] = source
-                    best_plan[1][i] = min(drafts, offers[i][source][1])
+                for i in chosen:
+                    best_plan[0][i] = chosen_source[i]
+                    best_plan[1][i] = min(drafts, offers[i][chosen_source[i]][1])
         return best_plan
 
     def record(self, query_tokens: int, verify_seconds: float, drafted_positions: int,
