@@ -8,8 +8,9 @@ also when the model drafted (what lookup would have proposed is checked against 
 committed). The model's score moves only when it drafts. Without a planner, lookup drafts
 when it has a continuation and scores at least the model; otherwise the model drafts, and
 its pass is then skipped for that sequence. With one (the default), both sources are
-offered every step in that order (`next_sources`) and the planner drafts with the first
-that pays by its own per-source evidence and costs, else takes a plain step: lookup's long
+offered every step in that order (`next_sources`) and the planner drafts with the one of
+the best goodput by its own per-source evidence and costs (the model's trees costed at
+their recent width; ties: this order), else takes a plain step: lookup's long
 runs of copied text are then not planned away by the model's misses, nor the model's trees
 by lookup's. When a token
 tree is asked for and the model drafts, the lookup continuation (if any) joins its tree as
