@@ -229,27 +229,28 @@ class DraftPlanner:
             """Tokens per row in the verify pass: anchor + drafts, or the source's recent trees."""
             return max(1 + drafts, round(1 + evidence.tree_width))
 
-        def alone(source: str, evidence: AcceptanceEvidence, allowed: int) -> float:
-            gains = self.expected_accepted(evidence, min(self.max_drafts, allowed))
+        def alone(source: str, evidence: AcceptanceEvidence, gains: list[float]) -> float:
             return max(_goodput(batch + gain, verify(size_bucket(batch * width(evidence, k + 1)))
                                 + drafting[source](size_bucket(2 + k))) for k, gain in enumerate(gains))
 
-        for i, offer in offers.items():  # one source per row: the best alone (ties: the drafter's order)
-            ranked = [(alone(source, evidence, allowed), -order, source)
-                      for order, (source, (evidence, allowed)) in enumerate(offer.items())]
-            best = max(ranked)[2]
-            offers[i] = {best: offer[best]}
-        most = min(self.max_drafts, max(allowed for offer in offers.values() for _, allowed in offer.values()))
-        # E[accepted] for every draft count, once per row: gains[i][k - 1] for k drafts
-        chosen_source = {i: next(iter(offer)) for i, offer in offers.items()}
-        gains = {i: self.expected_accepted(offers[i][s][0], min(most, offers[i][s][1])) for i, s in chosen_source.items()}
+        # one source per row: the best alone (ties: the drafter's order), with its E[accepted]
+        # for every draft count, computed once: chosen_by_row[i] = (source, evidence, allowed, gains)
+        chosen_by_row = {}
+        for i, offer in offers.items():
+            scored = []
+            for order, (source, (evidence, allowed)) in enumerate(offer.items()):
+                gains = self.expected_accepted(evidence, min(self.max_drafts, allowed))
+                scored.append((alone(source, evidence, gains), -order, (source, evidence, allowed, gains)))
+            chosen_by_row[i] = max(scored, key=lambda entry: entry[:2])[2]
+        most = min(self.max_drafts, max(allowed for _, _, allowed, _ in chosen_by_row.values()))
         best_plan, best_goodput = (sources, [0] * batch), _goodput(batch, verify(size_bucket(batch)))
         for drafts in range(1, most + 1):
-            ranked = sorted(((gains[i][min(drafts, len(gains[i])) - 1], i) for i in offers), reverse=True)
+            ranked = sorted(((gains[min(drafts, len(gains)) - 1], i) for i, (_, _, _, gains) in chosen_by_row.items()),
+                            reverse=True)
             # the rows that gain most draft first; stop adding rows once one costs more than it brings
             tokens, goodput, chosen, by_source, pass_width = float(batch), 0.0, [], {}, 1
             for gain, i in ranked:
-                source, evidence = chosen_source[i], offers[i][chosen_source[i]][0]
+                source, evidence, _, _ = chosen_by_row[i]
                 rows_of = {**by_source, source: by_source.get(source, 0) + 1}
                 row_width = max(pass_width, width(evidence, drafts))
                 seconds = verify(size_bucket(batch * row_width)) + sum(
@@ -262,8 +263,8 @@ class DraftPlanner:
                 best_goodput = goodput
                 best_plan = ([None] * batch, [0] * batch)
                 for i in chosen:
-                    best_plan[0][i] = chosen_source[i]
-                    best_plan[1][i] = min(drafts, offers[i][chosen_source[i]][1])
+                    source, _, allowed, _ = chosen_by_row[i]
+                    best_plan[0][i], best_plan[1][i] = source, min(drafts, allowed)
         return best_plan
 
     def record(self, query_tokens: int, verify_seconds: float, drafted_positions: int,
