@@ -87,6 +87,108 @@ def test_hybrid_scores_each_source_by_what_was_committed_and_drafts_with_the_bet
     assert hybrid.scores["model"].expected > 1.0
 
 
+def test_hybrid_reports_lookup_continuations_it_did_not_draft_once_the_target_decides_them():
+    """Lookup costs nothing to ask, so its continuation is scored every step, drafted or
+    not: an undrafted one is handed to the planner (`undrafted_outcomes`) once the committed
+    tokens decide it (a token differs, or all of it came), as (source, proposed, written);
+    a drafted one is the verifier's business and never reported."""
+    from blockspec.decoding.draft import Draft, Drafter
+    from blockspec.drafters.hybrid import HybridDrafter
+
+    class Never(Drafter):
+        def begin(self, prompt_ids, prompt_features):
+            pass
+
+        def propose_one(self, request):
+            return Draft(tokens=torch.full((request.num_drafts,), 99))
+
+    hybrid = HybridDrafter(Never()).fork()
+    hybrid.begin(torch.tensor([1, 2, 3, 1]), None)
+    committed = [1, 2, 3, 1]
+
+    def plain_step(token):  # the planner asked, then took a plain step: the target wrote `token`
+        committed.append(token)
+        sources = hybrid.next_sources(torch.tensor(committed))
+        return sources, hybrid.undrafted_outcomes()
+
+    assert hybrid.next_sources(torch.tensor(committed)) == {"lookup": 3, "model": None}  # [2, 3, 1] after 1
+    assert plain_step(2)[1] == []  # 2 matches: not decided yet (3 and 1 still to come)
+    assert plain_step(3)[1] == []
+    # 9 differs from the third token: [2, 3, 1] got two right; the continuations after 2 ([3, 1, 2])
+    # and after 3 ([1, 2, 3]) are decided by the same token: 1 and 0 right
+    assert sorted(plain_step(9)[1]) == [("lookup", 3, 0), ("lookup", 3, 1), ("lookup", 3, 2)]
+    # drafted (the planner's pick, though lookup now scores below the model): never reported
+    committed += [1, 2]
+    assert hybrid.next_sources(torch.tensor(committed)) == {"model": None, "lookup": 4}  # [3, 9, 1, 2]
+    draft = hybrid.propose([DraftRequest(hybrid, torch.tensor(committed), 3, SamplingParams(), source="lookup")])[0]
+    assert draft.tokens.tolist() == [3, 9, 1]
+    committed += [3, 9, 1, 5]  # all three accepted, then the bonus token
+    hybrid.next_sources(torch.tensor(committed))
+    assert hybrid.undrafted_outcomes() == []
+    assert hybrid.scores["lookup"].expected > 1.0
+
+
+def test_the_planner_learns_a_free_source_from_steps_it_did_not_draft():
+    """The hybrid's lookup is always right here, but the planner starts sure it is useless
+    (a pooled rate of 0 over 50 trials) and the model is always wrong: every step is
+    planned plain at first. Lookup's undrafted continuations reach the planner as
+    evidence, so it soon drafts with lookup, and does so most steps; without that evidence
+    (its rate then only moves when it drafts) it never would. Output stays greedy."""
+    from blockspec.decoding.draft import Draft, Drafter
+    from blockspec.decoding.planner import DraftPlanner
+    from blockspec.drafters.hybrid import HybridDrafter
+    from test_batched_spec import CPU_DRAFT, CPU_VERIFY, evidence, measured_planner
+
+    target = tiny_target("llama")
+    prompt = [5, 17, 33, 2, 9, 40]
+    reference = prompt + hf_greedy(target.model, prompt, 60, (-1,))
+
+    class Wrong(Drafter):
+        def begin(self, prompt_ids, prompt_features):
+            pass
+
+        def propose_one(self, request):
+            start = request.token_ids.numel()
+            return Draft(tokens=(torch.tensor(reference[start:start + request.num_drafts]) + 1) % 96)
+
+    class RightLookup(PromptLookupDrafter):  # free, as lookup is, and always right
+        def propose_one(self, request):
+            start = request.token_ids.numel()
+            return Draft(tokens=torch.tensor(reference[start:start + request.num_drafts]))
+
+    class FixedCosts(DraftPlanner):  # the measured CPU costs, not this run's timings
+        def record(self, *args, **kwargs):
+            pass
+
+    def lookup_steps(with_undrafted_evidence):
+        planner = measured_planner(CPU_VERIFY, CPU_DRAFT, cls=FixedCosts, sources=("model",))
+        planner.drafting_for("lookup").record(2, 0.0, planner.now)
+        planner.pooled["lookup"] = evidence(0.0)
+        planner.pooled["model"] = evidence(0.0)
+        hybrid = HybridDrafter(Wrong(), RightLookup())
+        if not with_undrafted_evidence:
+            hybrid.undrafted_outcomes = lambda: []  # forks copy it
+        engine = SpecEngine(target, hybrid, 8, adaptive=True, planner=planner)
+        sources = []
+        original_plan = engine._plan
+
+        def plan():
+            counts = original_plan()
+            sources.append(engine.rows[0].source if counts[0] else None)
+            return counts
+
+        engine._plan = plan
+        out = [t for c in engine.generate(prompt, max_new_tokens=60, stop_token_ids=(-1,)) for t in c]
+        assert prompt + out == reference
+        assert "model" not in sources
+        return sources
+
+    sources = lookup_steps(True)
+    assert sources[0] is None  # it had to learn first
+    assert sources.count("lookup") >= 3 and sources.count("lookup") >= len(sources) // 2
+    assert "lookup" not in lookup_steps(False)
+
+
 def test_the_planner_weighs_each_step_by_the_rates_of_the_source_that_drafts_it():
     """A drafter with two sources, one always right and one always wrong, alternating: with
     evidence kept per source the planner drafts a full block whenever the good source drafts

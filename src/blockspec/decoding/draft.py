@@ -83,6 +83,15 @@ class Drafter(ABC):
         long, or the model, which must earn its pass) is planned by the rates of each."""
         return {"model": None}
 
+    def undrafted_outcomes(self) -> list[tuple[str, int, int]]:
+        """Asked right after `next_sources`: proposals of a source that costs nothing to ask
+        (the hybrid's prompt lookup) made at earlier steps and NOT drafted, which the
+        committed tokens have now decided: (source, tokens proposed, how many of them the
+        target then wrote). The planner counts each as if it had been drafted (exact at
+        T = 0, and in distribution at T > 0 for one-hot drafts), so a free source's rate
+        follows the text even while another source or plain steps decode it. Default: none."""
+        return []
+
     def fork(self) -> "Drafter":
         """A drafter for another sequence, sharing weights but not per-sequence state. Default:
         a shallow copy, fine for drafters whose `begin` rebinds all their state."""

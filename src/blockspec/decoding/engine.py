@@ -275,7 +275,12 @@ class SpecEngine:
             return allowed
         offers = []
         for row, count in zip(self.rows, allowed):
-            sources = row.drafter.next_sources(torch.tensor(row.tokens)) if row.drafter is not None else {}
+            if row.drafter is None:
+                offers.append(None)
+                continue
+            sources = row.drafter.next_sources(torch.tensor(row.tokens))
+            for source, proposed, accepted in row.drafter.undrafted_outcomes():
+                self.planner.observe(row.evidence_for(source), proposed, accepted)
             offers.append({source: (row.evidence_for(source), count if most is None else min(count, most))
                            for source, most in sources.items()} or None)
         sources, counts = self.planner.plan_sources(offers)

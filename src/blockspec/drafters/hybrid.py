@@ -19,6 +19,13 @@ geometric run of that mean): the tree then spends nodes on it only where it is l
 than the model's own paths. How many tokens a proposal was worth is read from the
 committed tokens at the next proposal: the longest prefix of the draft they repeat is
 exactly what the verifier accepted (a rejected draft token is never the target's token).
+Lookup's continuation is scored so every step, drafted or not (it costs nothing to
+propose): once the committed tokens decide it (a token differs, or all of it came), it
+counts for lookup's score and, when it was not drafted, is handed to the planner as
+evidence (`undrafted_outcomes`), so lookup's rate follows the text being written instead
+of freezing at the last rate it drafted with. (At T > 0 this is exact in distribution too:
+a one-hot draft token is accepted with the target's probability of it, the probability
+that the sampled token is that token.)
 """
 
 from __future__ import annotations
@@ -65,8 +72,10 @@ class HybridDrafter(Drafter):
     def _reset_scores(self) -> None:
         self.scores = {"model": SourceScore(), "lookup": SourceScore()}
         self.last_source: str | None = None  # which source drafted the last proposal
-        # the last proposal, scored at the next one: (anchor index, {source: tokens proposed})
-        self._last: tuple[int, dict[str, torch.Tensor]] | None = None
+        # proposals not scored yet, scored once the committed tokens decide them:
+        # [anchor index, source, tokens proposed, whether they were drafted]
+        self._pending: list[list] = []
+        self._undrafted: list[tuple[str, int, int]] = []  # decided at the last `next_sources`
         # this step's choice, made by `next_sources`: (committed tokens, source, lookup's continuation)
         self._decided: tuple[int, str, torch.Tensor] | None = None
 
@@ -83,19 +92,32 @@ class HybridDrafter(Drafter):
     def accept(self, committed_ids, committed_features) -> None:
         self.model.accept(committed_ids, committed_features)  # the model's context, whoever drafted
 
-    def _score_last(self, token_ids: torch.Tensor) -> None:
-        if self._last is None:
-            return
-        anchor, proposals = self._last
-        for source, tokens in proposals.items():
-            self.scores[source].observe(accepted_prefix(tokens, token_ids[anchor + 1:]), self.decay)
-        self._last = None
+    def _score_decided(self, token_ids: torch.Tensor) -> None:
+        """Score every pending proposal the committed tokens now decide: a drafted one at the
+        next step (its verdict was committed), an undrafted one once a token differs from it
+        or all of it was committed."""
+        self._undrafted, pending = [], []
+        for anchor, source, tokens, drafted in self._pending:
+            committed = token_ids[anchor + 1:]
+            accepted = accepted_prefix(tokens, committed)
+            if not drafted and accepted == committed.numel() < tokens.numel():
+                pending.append([anchor, source, tokens, drafted])  # the target has not written that far yet
+                continue
+            self.scores[source].observe(accepted, self.decay)
+            if not drafted:
+                self._undrafted.append((source, tokens.numel(), accepted))
+        self._pending = pending
+
+    def undrafted_outcomes(self) -> list[tuple[str, int, int]]:
+        """Lookup's continuations that were not drafted and that the committed tokens decided
+        by the last `next_sources`: (source, tokens proposed, tokens the target then wrote)."""
+        return self._undrafted
 
     def next_sources(self, token_ids: torch.Tensor) -> dict[str, int | None]:
         """Lookup (as many tokens as its continuation has) when it has a continuation, and
         the model; the one scoring higher first (ties: lookup, it is free). The decision
         and lookup's continuation are kept for this step's `propose`."""
-        self._score_last(token_ids)
+        self._score_decided(token_ids)
         most = self.max_block_size - 1 if self.max_block_size else token_ids.numel()
         continuation = self.lookup.propose_one(DraftRequest(self, token_ids, most, None)).tokens
         if not continuation.numel():
@@ -104,35 +126,37 @@ class HybridDrafter(Drafter):
             sources = {"lookup": continuation.numel(), "model": None}
         else:
             sources = {"model": None, "lookup": continuation.numel()}
+        if continuation.numel():  # scored whether it drafts or not (`propose` marks it drafted)
+            self._pending.append([token_ids.numel() - 1, "lookup", continuation, False])
         self._decided = (token_ids.numel(), next(iter(sources)), continuation)
         return sources
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(requests)
-        proposals: list[dict[str, torch.Tensor]] = []  # per request: what each source proposed
+        continuations = []  # per request: lookup's continuation (empty: none)
         for i, request in enumerate(requests):
             fork: HybridDrafter = request.sequence
             if fork._decided is None or fork._decided[0] != request.token_ids.numel():
                 fork.next_sources(request.token_ids)  # not planned: this drafter's own choice
             _, preferred, continuation = fork._decided
             fork._decided = None
+            continuations.append(continuation[:request.num_drafts])
             source = request.source or preferred
-            continuation = continuation[:request.num_drafts]
-            proposals.append({"lookup": continuation} if continuation.numel() else {})
             fork.last_source = source
             if source == "lookup":
-                drafts[i] = Draft(tokens=continuation.clone())
+                drafts[i] = Draft(tokens=continuations[i].clone())
+                fork._pending[-1][2:] = [drafts[i].tokens, True]  # the entry `next_sources` added: now drafted
         by_model = [i for i, draft in enumerate(drafts) if draft is None]
         if by_model:  # every sequence the model drafts for, in one call (one pass where it can)
             inner = [DraftRequest(requests[i].sequence.model, requests[i].token_ids, requests[i].num_drafts,
                                   requests[i].params, requests[i].generator, requests[i].candidates)
                      for i in by_model]
             for i, draft in zip(by_model, self.model.propose(inner)):
-                if draft.candidates is not None and "lookup" in proposals[i]:
-                    expected = requests[i].sequence.scores["lookup"].expected
+                fork = requests[i].sequence
+                if draft.candidates is not None and continuations[i].numel():
+                    expected = fork.scores["lookup"].expected
                     right = min(max(expected / (1 + expected), 0.05), 0.95)
-                    draft.candidates.branches.append((proposals[i]["lookup"], math.log(right)))
-                drafts[i], proposals[i]["model"] = draft, draft.tokens
-        for request, proposed in zip(requests, proposals):
-            request.sequence._last = (request.token_ids.numel() - 1, proposed)
+                    draft.candidates.branches.append((continuations[i], math.log(right)))
+                drafts[i] = draft
+                fork._pending.append([requests[i].token_ids.numel() - 1, "model", draft.tokens, True])
         return drafts
