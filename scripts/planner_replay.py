@@ -1,0 +1,159 @@
+"""Planner variants compared under ONE fixed cost model, so that the comparison is not at the
+mercy of a noisy machine: every generation runs for real (the target's real verdicts, real
+outputs, token-identical to plain decoding), but its time is the modeled cost of the steps it
+took: each verify pass costs verify(width) and each model drafting pass a fixed time, from a
+cost file (measured once, idle: `--measure`). The planner itself is fed the same modeled
+costs instead of its timings. Result: each method's speedup over plain decoding as the
+cost model sees it, per prompt and as a geometric mean per dataset.
+
+    python scripts/planner_replay.py --measure --threads 2 --costs runs/replay/costs.json   # idle
+    python scripts/planner_replay.py --costs runs/replay/costs.json --datasets gsm8k,math500 --limit 4 \\
+        --methods lookup,default,default:explore=1.0,chain --output runs/replay/result.json
+
+Methods: `lookup` (prompt lookup, 7 drafts every step, unplanned), `default` (the hybrid
+drafter, planned, 32-node trees), `chain` (the same with chains), each planned one with
+`:ATTR=VALUE` options set on its DraftPlanner (e.g. `explore=1.0`) and `:no-undrafted` (the
+planner gets no evidence from lookup's undrafted continuations) and `:one-lookup` (lookup
+offered as one source, not one per matched n-gram length).
+"""
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from blockspec.bench.costs import measure_costs
+from blockspec.bench.datasets import load_prompts
+from blockspec.decoding.planner import DraftPlanner
+from blockspec.drafters.registry import load_drafter
+from blockspec.pipeline import SpecDecoder
+from blockspec.targets.loading import load_target
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--costs", required=True, help="cost file (JSON), written by --measure")
+parser.add_argument("--measure", action="store_true", help="measure the costs into --costs and stop")
+parser.add_argument("--threads", type=int, default=1)
+parser.add_argument("--datasets", default="gsm8k,math500,humaneval,mt_bench")
+parser.add_argument("--data-dir", default="../shared/data")
+parser.add_argument("--limit", type=int, default=4)
+parser.add_argument("--max-new-tokens", type=int, default=128)
+parser.add_argument("--methods", default="lookup,default")
+parser.add_argument("--output", default=None)
+args = parser.parse_args()
+
+target = load_target("default", threads=args.threads)
+if args.measure:
+    model = load_drafter("auto", target)
+    verify_s = {}
+    for width in [1, 2, 4, 8, 12, 16, 24, 33, 48, 64]:
+        costs = measure_costs(target, model, 16, verify_tokens=width, repeats=9)
+        verify_s[width] = costs["decode_s"] if width == 1 else costs["verify_s"]
+        draft_s = costs["draft_s"]
+    Path(args.costs).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.costs).write_text(json.dumps({"verify_s": verify_s, "draft_s": draft_s, "threads": args.threads}))
+    print(json.dumps({"verify_ms": {w: round(s * 1000, 1) for w, s in verify_s.items()}, "draft_ms": draft_s * 1000}))
+    sys.exit(0)
+
+cost_model = json.loads(Path(args.costs).read_text())
+WIDTHS = sorted(int(width) for width in cost_model["verify_s"])
+VERIFY = [cost_model["verify_s"][str(width)] for width in WIDTHS]
+DRAFT_S = cost_model["draft_s"]
+
+
+def verify_cost(width: int) -> float:
+    """Linear between measured widths (beyond the last: proportional to the width)."""
+    if width <= WIDTHS[0]:
+        return VERIFY[0]
+    i = bisect.bisect_left(WIDTHS, width)
+    if i == len(WIDTHS):
+        return VERIFY[-1] * width / WIDTHS[-1]
+    low, high = WIDTHS[i - 1], WIDTHS[i]
+    return VERIFY[i - 1] + (VERIFY[i] - VERIFY[i - 1]) * (width - low) / (high - low)
+
+
+class Clock:
+    seconds = 0.0
+
+
+class ModeledPlanner(DraftPlanner):
+    """Learns the modeled costs of its steps instead of their timings."""
+
+    def record(self, query_tokens, verify_seconds, drafted_positions, drafting_seconds, source="model"):
+        super().record(query_tokens, verify_cost(query_tokens), drafted_positions,
+                       DRAFT_S if source == "model" else 0.0, source)
+
+
+def build(method: str) -> SpecDecoder:
+    kind, *options = method.split(":")
+    if kind == "lookup":
+        decoder = SpecDecoder(target, load_drafter("prompt-lookup", target), 8, plan=False)
+    elif kind in ("default", "chain"):
+        decoder = SpecDecoder(target, load_drafter("hybrid", target), 16, plan=True,
+                              tree_budget=32 if kind == "default" else None)
+        planner = ModeledPlanner(decoder.engine.block_size - 1)
+        for option in options:
+            if option == "no-undrafted":
+                decoder.engine.drafter.undrafted_outcomes = lambda: []  # forks copy it
+            elif option == "one-lookup":
+                decoder.engine.drafter.lookup_by_match = False
+            else:
+                name, value = option.split("=")
+                if not hasattr(planner, name):
+                    sys.exit(f"{method}: the planner has no attribute {name!r}")
+                setattr(planner, name, float(value))
+        decoder.engine.planner = planner
+    else:
+        sys.exit(f"unknown method {method!r}: lookup, default[:OPTIONS], chain[:OPTIONS]")
+    kv, drafter = decoder.engine.kv, decoder.engine.drafter
+    verify = kv.verify
+
+    def modeled_verify(blocks, trees=None):
+        Clock.seconds += verify_cost(len(blocks) * max(len(block) for block in blocks))
+        return verify(blocks, trees)
+
+    kv.verify = modeled_verify
+    model = getattr(drafter, "model", None)  # the hybrid's model drafter: a pass costs DRAFT_S
+    if model is not None:
+        propose = model.propose
+
+        def modeled_propose(requests):
+            Clock.seconds += DRAFT_S
+            return propose(requests)
+
+        model.propose = modeled_propose
+    return decoder
+
+
+methods = args.methods.split(",")
+decoders = {method: build(method) for method in methods}
+datasets = args.datasets.split(",")
+speedups = {method: {dataset: [] for dataset in datasets} for method in methods}
+for dataset in datasets:
+    for prompt in load_prompts(dataset, args.data_dir, args.limit, 0)[: args.limit]:
+        outputs, line = [], []
+        for method in methods:
+            Clock.seconds = 0.0
+            messages = [{"role": "user", "content": prompt.turns[0]}] if target.has_chat_template else prompt.turns[0]
+            result = decoders[method].generate(messages, max_new_tokens=args.max_new_tokens, temperature=0.0)
+            outputs.append(result.token_ids)
+            speedup = result.stats.new_tokens * verify_cost(1) / Clock.seconds
+            speedups[method][dataset].append(speedup)
+            line.append(f"{method} {speedup:.2f}")
+        if any(output != outputs[0] for output in outputs):
+            sys.exit(f"!! outputs differ on {dataset} {prompt.prompt_id}: a lossless method is broken")
+        print(f"{dataset} {prompt.prompt_id}: " + ", ".join(line), flush=True)
+
+summary = {method: {dataset: statistics.geometric_mean(values) for dataset, values in by_dataset.items()}
+           for method, by_dataset in speedups.items()}
+print("\nmodeled speedup over plain decoding (geometric mean per dataset)")
+print("| method | " + " | ".join(datasets) + " | all |")
+print("|---" * (len(datasets) + 2) + "|")
+for method in methods:
+    every = [value for values in speedups[method].values() for value in values]
+    print(f"| {method} | " + " | ".join(f"{summary[method][d]:.3f}" for d in datasets)
+          + f" | {statistics.geometric_mean(every):.3f} |")
+if args.output:
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"costs": cost_model, "speedups": speedups, "summary": summary}, indent=1))
