@@ -26,7 +26,6 @@ drafting no longer pays, the plan is plain batched decoding."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -115,7 +114,6 @@ class DraftPlanner:
         # every row's evidence per drafter source, decayed more slowly: the prior of each row
         self.pooled: dict[str, AcceptanceEvidence] = {}
         self.now = 0
-        self.explore = 0.0
 
     # --- acceptance -------------------------------------------------------------------------
     def drafting_for(self, source: str) -> CostTable:
@@ -139,8 +137,7 @@ class DraftPlanner:
             prior = (pooled_hits + 1.0) / (pooled_trials + 2.0)
             hits = evidence.hits[i] if i < len(evidence.hits) else 0.0
             trials = evidence.trials[i] if i < len(evidence.trials) else 0.0
-            rate = (hits + prior) / (trials + 1.0)
-            rates.append(min(1.0, rate + self.explore * math.sqrt(rate * (1.0 - rate) / (trials + 1.0))))
+            rates.append((hits + prior) / (trials + 1.0))
         return rates
 
     def expected_accepted(self, evidence: AcceptanceEvidence, drafts: int) -> list[float]:
