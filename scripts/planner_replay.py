@@ -8,13 +8,12 @@ cost model sees it, per prompt and as a geometric mean per dataset.
 
     python scripts/planner_replay.py --measure --threads 2 --costs runs/replay/costs.json   # idle
     python scripts/planner_replay.py --costs runs/replay/costs.json --datasets gsm8k,math500 --limit 4 \\
-        --methods lookup,default,default:explore=1.0,chain --output runs/replay/result.json
+        --methods lookup,default,default:decay=0.7,chain --output runs/replay/result.json
 
 Methods: `lookup` (prompt lookup, 7 drafts every step, unplanned), `default` (the hybrid
 drafter, planned, 32-node trees), `chain` (the same with chains), each planned one with
-`:ATTR=VALUE` options set on its DraftPlanner (e.g. `explore=1.0`) and `:no-undrafted` (the
-planner gets no evidence from lookup's undrafted continuations) and `:one-lookup` (lookup
-offered as one source, not one per matched n-gram length).
+`:ATTR=VALUE` options set on its DraftPlanner (e.g. `decay=0.7`) and `:no-undrafted` (the
+planner gets no evidence from lookup's undrafted continuations).
 """
 
 import argparse
@@ -96,8 +95,6 @@ def build(method: str) -> SpecDecoder:
         for option in options:
             if option == "no-undrafted":
                 decoder.engine.drafter.undrafted_outcomes = lambda: []  # forks copy it
-            elif option == "one-lookup":
-                decoder.engine.drafter.lookup_by_match = False
             else:
                 name, value = option.split("=")
                 if not hasattr(planner, name):

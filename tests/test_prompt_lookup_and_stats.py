@@ -111,17 +111,16 @@ def test_hybrid_reports_lookup_continuations_it_did_not_draft_once_the_target_de
         sources = hybrid.next_sources(torch.tensor(committed))
         return sources, hybrid.undrafted_outcomes()
 
-    # one source per length of the n-gram matched: the last token, 1, was seen before, then [2, 3, 1]
-    assert hybrid.next_sources(torch.tensor(committed)) == {"lookup:1": 3, "model": None}
+    assert hybrid.next_sources(torch.tensor(committed)) == {"lookup": 3, "model": None}  # [2, 3, 1] after 1
     assert plain_step(2)[1] == []  # 2 matches: not decided yet (3 and 1 still to come)
     assert plain_step(3)[1] == []
-    # 9 differs from the third token: [2, 3, 1] got two right; the continuations after [1, 2]
-    # ([3, 1, 2]) and after [1, 2, 3] ([1, 2, 3]) are decided by the same token: 1 and 0 right
-    assert sorted(plain_step(9)[1]) == [("lookup:1", 3, 2), ("lookup:2", 3, 1), ("lookup:3", 3, 0)]
+    # 9 differs from the third token: [2, 3, 1] got two right; the continuations after 2 ([3, 1, 2])
+    # and after 3 ([1, 2, 3]) are decided by the same token: 1 and 0 right
+    assert sorted(plain_step(9)[1]) == [("lookup", 3, 0), ("lookup", 3, 1), ("lookup", 3, 2)]
     # drafted (the planner's pick, though lookup now scores below the model): never reported
     committed += [1, 2]
-    assert hybrid.next_sources(torch.tensor(committed)) == {"model": None, "lookup:2": 4}  # [3, 9, 1, 2]
-    draft = hybrid.propose([DraftRequest(hybrid, torch.tensor(committed), 3, SamplingParams(), source="lookup:2")])[0]
+    assert hybrid.next_sources(torch.tensor(committed)) == {"model": None, "lookup": 4}  # [3, 9, 1, 2]
+    draft = hybrid.propose([DraftRequest(hybrid, torch.tensor(committed), 3, SamplingParams(), source="lookup")])[0]
     assert draft.tokens.tolist() == [3, 9, 1]
     committed += [3, 9, 1, 5]  # all three accepted, then the bonus token
     hybrid.next_sources(torch.tensor(committed))
@@ -153,9 +152,9 @@ def test_the_planner_learns_a_free_source_from_steps_it_did_not_draft():
             return Draft(tokens=(torch.tensor(reference[start:start + request.num_drafts]) + 1) % 96)
 
     class RightLookup(PromptLookupDrafter):  # free, as lookup is, and always right
-        def match(self, token_ids, num_drafts):
-            start = token_ids.numel()
-            return 3, torch.tensor(reference[start:start + num_drafts])
+        def propose_one(self, request):
+            start = request.token_ids.numel()
+            return Draft(tokens=torch.tensor(reference[start:start + request.num_drafts]))
 
     class FixedCosts(DraftPlanner):  # the measured CPU costs, not this run's timings
         def record(self, *args, **kwargs):
@@ -163,8 +162,8 @@ def test_the_planner_learns_a_free_source_from_steps_it_did_not_draft():
 
     def lookup_steps(with_undrafted_evidence):
         planner = measured_planner(CPU_VERIFY, CPU_DRAFT, cls=FixedCosts, sources=("model",))
-        planner.drafting_for("lookup:3").record(2, 0.0, planner.now)
-        planner.pooled["lookup:3"] = evidence(0.0)
+        planner.drafting_for("lookup").record(2, 0.0, planner.now)
+        planner.pooled["lookup"] = evidence(0.0)
         planner.pooled["model"] = evidence(0.0)
         hybrid = HybridDrafter(Wrong(), RightLookup())
         if not with_undrafted_evidence:
@@ -175,7 +174,7 @@ def test_the_planner_learns_a_free_source_from_steps_it_did_not_draft():
 
         def plan():
             counts = original_plan()
-            sources.append(engine.rows[0].source if counts[0] else None)  # "lookup:3" here
+            sources.append(engine.rows[0].source if counts[0] else None)
             return counts
 
         engine._plan = plan
@@ -186,8 +185,8 @@ def test_the_planner_learns_a_free_source_from_steps_it_did_not_draft():
 
     sources = lookup_steps(True)
     assert sources[0] is None  # it had to learn first
-    assert sources.count("lookup:3") >= 3 and sources.count("lookup:3") >= len(sources) // 2
-    assert "lookup:3" not in lookup_steps(False)
+    assert sources.count("lookup") >= 3 and sources.count("lookup") >= len(sources) // 2
+    assert "lookup" not in lookup_steps(False)
 
 
 def test_the_planner_weighs_each_step_by_the_rates_of_the_source_that_drafts_it():

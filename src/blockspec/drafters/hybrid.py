@@ -11,14 +11,14 @@ it (a token differs, or all of it came); the model's score moves only when it dr
 
 Without a planner, lookup drafts when it has a continuation and scores at least the model;
 otherwise the model drafts. With one (the default), both sources are offered every step in
-that order (`next_sources`), lookup as one source per length of the n-gram it matched
-(`lookup:3` is a far surer guess than `lookup:1`), and the planner drafts with the one of
-the best goodput by its own per-source evidence and costs (the model's trees costed at
-their recent width; ties: this order), else takes a plain step. Lookup's undrafted
-continuations reach the planner as evidence too (`undrafted_outcomes`), so its rates
-follow the text being written rather than freezing while the model or plain steps decode
-it (exact at T = 0, and in distribution at T > 0: a one-hot draft token is accepted with
-the target's probability of it, the probability that the sampled token is that token).
+that order (`next_sources`) and the planner drafts with the one of the best goodput by its
+own per-source evidence and costs (the model's trees costed at their recent width; ties:
+this order), else takes a plain step. Lookup's undrafted continuations reach the planner
+as evidence too (`undrafted_outcomes`), so its rates follow the text being written rather
+than freezing while the model or plain steps decode it (exact at T = 0, and in
+distribution at T > 0: a one-hot draft token is accepted with the target's probability of
+it, the probability that the sampled token is that token). Offering lookup as one source
+per matched n-gram length was measured and did not pay (docs/benchmarks.md, session 9).
 
 When a token tree is asked for and the model drafts, the lookup continuation (if any)
 joins its tree as a branch, each of its tokens right with probability E / (1 + E) for
@@ -59,14 +59,8 @@ def accepted_prefix(draft: torch.Tensor, committed_after_anchor: torch.Tensor) -
 
 
 class HybridDrafter(Drafter):
-    def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, decay: float = 0.8,
-                 lookup_by_match: bool = True):
-        """`lookup_by_match`: offer lookup to the planner as one source per length of the
-        n-gram it matched (`lookup:3`, `lookup:2`, `lookup:1`), so that the planner learns how
-        often each kind of match is right (a 3-gram match is a far surer guess than one
-        token seen before); False: one `lookup` source."""
+    def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, decay: float = 0.8):
         self.model, self.lookup, self.decay = model, lookup or PromptLookupDrafter(), decay
-        self.lookup_by_match = lookup_by_match
         self.name = f"hybrid({model.name}+{self.lookup.name})"
         self.target_layer_ids = model.target_layer_ids
         self.max_block_size = model.max_block_size
@@ -107,7 +101,7 @@ class HybridDrafter(Drafter):
             if not drafted and accepted == committed.numel() < tokens.numel():
                 pending.append([anchor, source, tokens, drafted])  # the target has not written that far yet
                 continue
-            self.scores[source.split(":")[0]].observe(accepted, self.decay)
+            self.scores[source].observe(accepted, self.decay)
             if not drafted:
                 self._undrafted.append((source, tokens.numel(), accepted))
         self._pending = pending
@@ -118,22 +112,20 @@ class HybridDrafter(Drafter):
         return self._undrafted
 
     def next_sources(self, token_ids: torch.Tensor) -> dict[str, int | None]:
-        """Lookup (as many tokens as its continuation has; `lookup:N` for an N-gram match)
-        when it has a continuation, and the model; the one scoring higher first (ties:
-        lookup, it is free). The decision and lookup's continuation are kept for this
-        step's `propose`."""
+        """Lookup (as many tokens as its continuation has) when it has a continuation, and
+        the model; the one scoring higher first (ties: lookup, it is free). The decision
+        and lookup's continuation are kept for this step's `propose`."""
         self._score_decided(token_ids)
         most = self.max_block_size - 1 if self.max_block_size else token_ids.numel()
-        matched, continuation = self.lookup.match(token_ids, most)
-        lookup = f"lookup:{matched}" if self.lookup_by_match else "lookup"
+        continuation = self.lookup.propose_one(DraftRequest(self, token_ids, most, None)).tokens
         if not continuation.numel():
             sources = {"model": None}
         elif self.scores["lookup"].expected >= self.scores["model"].expected:
-            sources = {lookup: continuation.numel(), "model": None}
+            sources = {"lookup": continuation.numel(), "model": None}
         else:
-            sources = {"model": None, lookup: continuation.numel()}
+            sources = {"model": None, "lookup": continuation.numel()}
         if continuation.numel():  # scored whether it drafts or not (`propose` marks it drafted)
-            self._pending.append([token_ids.numel() - 1, lookup, continuation, False])
+            self._pending.append([token_ids.numel() - 1, "lookup", continuation, False])
         self._decided = (token_ids.numel(), next(iter(sources)), continuation)
         return sources
 
@@ -148,8 +140,8 @@ class HybridDrafter(Drafter):
             fork._decided = None
             continuations.append(continuation[:request.num_drafts])
             source = request.source or preferred
-            fork.last_source = "model" if source == "model" else "lookup"
-            if fork.last_source == "lookup":
+            fork.last_source = source
+            if source == "lookup":
                 drafts[i] = Draft(tokens=continuations[i].clone())
                 fork._pending[-1][2:] = [drafts[i].tokens, True]  # the entry `next_sources` added: now drafted
         by_model = [i for i, draft in enumerate(drafts) if draft is None]

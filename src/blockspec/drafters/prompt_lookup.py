@@ -23,11 +23,7 @@ class PromptLookupDrafter(Drafter):
         pass  # stateless: everything it needs is in the committed tokens
 
     def propose_one(self, request: DraftRequest) -> Draft:
-        return Draft(tokens=self.match(request.token_ids, request.num_drafts)[1])
-
-    def match(self, token_ids: torch.Tensor, num_drafts: int) -> tuple[int, torch.Tensor]:
-        """(n, continuation): the length of the n-gram matched and up to `num_drafts` tokens
-        that followed its most recent earlier occurrence; (0, no tokens) when none."""
+        token_ids, num_drafts = request.token_ids, request.num_drafts
         length = token_ids.numel()
         # Longest n-gram first: a longer match is a more specific (more often right) guess.
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -38,5 +34,5 @@ class PromptLookupDrafter(Drafter):
                 start = int(hits[-1]) + n  # the most recent occurrence
                 continuation = token_ids[start : start + num_drafts]
                 if continuation.numel():
-                    return n, continuation.clone()
-        return 0, torch.empty(0, dtype=torch.long)
+                    return Draft(tokens=continuation.clone())
+        return Draft(tokens=torch.empty(0, dtype=torch.long))
