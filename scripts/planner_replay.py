@@ -151,6 +151,23 @@ for method in methods:
     every = [value for values in speedups[method].values() for value in values]
     print(f"| {method} | " + " | ".join(f"{summary[method][d]:.3f}" for d in datasets)
           + f" | {statistics.geometric_mean(every):.3f} |")
-if args.output:
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"costs": cost_model, "speedups": speedups, "summary": summary}, indent=1))
+if args.output:  # the numbers, and a plot of them beside (OUTPUT with .png)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"costs": cost_model, "speedups": speedups, "summary": summary}, indent=1))
+    fig, axis = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        axis.bar([d + i * width for d in range(len(datasets))], [summary[method][d] for d in datasets], width,
+                 label=method)
+    axis.set_xticks([d + 0.4 - width / 2 for d in range(len(datasets))], datasets)
+    axis.axhline(1.0, color="grey", lw=0.8)
+    axis.set_title(f"modeled speedup over plain decoding (geometric mean of {args.limit} prompts)", fontsize=10)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output.with_suffix(".png"), dpi=100)
