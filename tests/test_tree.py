@@ -121,7 +121,8 @@ def run_tree(target, drafter, prompt, *, budget=10, block=8, max_new=MAX_NEW, st
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["tree-oracle", "dflash", "dflash-reduced-vocab", "hybrid-tree"])
+@pytest.mark.parametrize("kind", ["tree-oracle", "dflash", "dflash-reduced-vocab", "hybrid-tree", "mtp", "eagle3",
+                                  "draft-model"])
 @pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_tree_greedy_identity(arch, kind, planned, prompt_name):
@@ -193,6 +194,31 @@ def test_tree_output_distribution_is_the_targets(params, planned):
     engine = SpecEngine(target, dflash(target, sample_drafts=False), BLOCK, adaptive=planned, tree_budget=5)
     counts = empirical_joint(engine, params)
     assert_same_distribution(counts, exact_joint(target, params))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_trees_of_one_token_at_a_time_drafters_keep_the_targets_distribution(kind):
+    """MTP heads and EAGLE-3 draft a chain token by token; asked for candidates, each
+    step's best tokens along it become the tree (the argmax chain, at any temperature)."""
+    target = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
+    torch.manual_seed(2)
+    if kind == "mtp":
+        from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
+
+        model = MTPHeadModel(MTPConfig.for_target(target, block_size=BLOCK))
+        drafter_class = MTPDrafter
+    else:
+        from blockspec.drafters.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Drafter
+
+        model = Eagle3DraftModel(Eagle3Config.for_target(target, block_size=BLOCK))
+        drafter_class = Eagle3Drafter
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    engine = SpecEngine(target, drafter_class(model, target), BLOCK, tree_budget=4)
+    assert engine.tree_budget == 4 and not engine.notes
+    params = SamplingParams(temperature=0.9, top_k=6)
+    assert_same_distribution(empirical_joint(engine, params), exact_joint(target, params))
 
 
 def test_hybrid_tree_output_distribution_is_the_targets():

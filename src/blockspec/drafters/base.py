@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from blockspec.decoding.draft import Draft, Drafter
 from blockspec.decoding.sampling import SamplingParams, sample, warp_probs
+from blockspec.decoding.tree import Candidates
 from blockspec.drafters.checkpoint import fit_problems
 from blockspec.errors import DrafterMismatchError
 
@@ -65,17 +66,30 @@ class TargetBoundDrafter(Drafter):
 class TokenPicker:
     """The choices of a draft made one token at a time (MTP, EAGLE-3, a draft model): the
     argmax at T=0, else a sample from the drafter's warped distribution, whose rows the
-    rejection sampler needs. `d2t` maps a reduced draft vocabulary to target ids."""
+    rejection sampler needs. `d2t` maps a reduced draft vocabulary to target ids.
+    `candidates` > 0 (a token tree will be grown, `DraftRequest.candidates`): the argmax at
+    any temperature, and each step's best `candidates` tokens with their log-probabilities
+    (at T > 0 under the distribution the target samples with), the tree's per-position
+    candidates along the chain (verifying a tree of one-hot drafts is exact at any T)."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None, vocab_size: int,
-                 d2t: torch.Tensor | None = None):
+                 d2t: torch.Tensor | None = None, candidates: int = 0):
         self.params, self.generator, self.vocab_size, self.d2t = params, generator, vocab_size, d2t
+        self.candidates = candidates
         self.tokens: list[int] = []
         self.rows: list[torch.Tensor] = []
+        self.best: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: (target ids [K], log-probs [K])
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Choose from `logits` [1, V'] (draft vocabulary); returns the TARGET id."""
-        if self.params.greedy:
+        if self.candidates:
+            logprobs = torch.log_softmax(logits.float(), -1) if self.params.greedy else warp_probs(
+                logits.float(), self.params).log()
+            best = logprobs[0].topk(min(self.candidates, logprobs.shape[-1]))
+            ids = best.indices if self.d2t is None else self.d2t[best.indices]
+            self.best.append((ids.cpu(), best.values.cpu()))
+            choice = best.indices[:1]
+        elif self.params.greedy:
             choice = logits.argmax(-1)
         else:
             probs = warp_probs(logits.float(), self.params)
@@ -87,6 +101,10 @@ class TokenPicker:
 
     def draft(self) -> Draft:
         tokens = torch.tensor(self.tokens, dtype=torch.long)
+        if self.best:
+            candidates = Candidates(torch.stack([ids for ids, _ in self.best]),
+                                    torch.stack([values for _, values in self.best]))
+            return Draft(tokens=tokens, candidates=candidates)
         if self.params.greedy or not self.rows:
             return Draft(tokens=tokens)
         probs = on_target_vocabulary(torch.stack(self.rows), self.vocab_size, self.d2t)

@@ -21,6 +21,7 @@ from blockspec.errors import DrafterMismatchError
 
 class DraftModelDrafter(Drafter):
     name = "draft-model"
+    gives_candidates = True  # each step's best tokens along the chain: token trees (`TokenPicker`)
 
     def __init__(self, draft, target, *, force: bool = False):
         """`draft` and `target` are TargetAdapters. The vocabularies must match (the
@@ -62,7 +63,8 @@ class DraftModelDrafter(Drafter):
         self._fed = committed[:keep]
         logits = self.draft.forward(token_ids[keep:], (), last_logits_only=True).logits[-1]
         self._fed += committed[keep:]
-        pick = TokenPicker(request.params, request.generator, self.target.vocab_size)  # a forced smaller vocabulary: padded
+        # a forced smaller vocabulary: padded
+        pick = TokenPicker(request.params, request.generator, self.target.vocab_size, candidates=request.candidates)
         for index in range(num_drafts):
             token = pick(logits[None])
             if index + 1 < num_drafts:

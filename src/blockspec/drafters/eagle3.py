@@ -220,6 +220,7 @@ class Eagle3DraftModel(DraftCheckpoint, nn.Module):
 class Eagle3Drafter(TargetBoundDrafter):
     name = "eagle3"
     kind = "EAGLE-3 drafter"
+    gives_candidates = True  # each step's best tokens along the chain: token trees (`TokenPicker`)
 
     def __init__(self, model: Eagle3DraftModel, target, *, force: bool = False):
         super().__init__(model, target, force=force)
@@ -240,7 +241,7 @@ class Eagle3Drafter(TargetBoundDrafter):
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """Every row's chain together (`unroll_rows`)."""
-        picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t)
+        picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t, request.candidates)
                  for request in requests]
         self.unroll_rows([request.sequence for request in requests], [request.token_ids for request in requests],
                          [request.num_drafts for request in requests],

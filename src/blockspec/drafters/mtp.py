@@ -102,6 +102,7 @@ class MTPHeadModel(DraftCheckpoint, nn.Module):
 class MTPDrafter(TargetBoundDrafter):
     name = "mtp"
     kind = "MTP head"
+    gives_candidates = True  # each step's best tokens along the chain: token trees (`TokenPicker`)
 
     def __init__(self, model: MTPHeadModel, target, *, force: bool = False):
         super().__init__(model, target, force=force)
@@ -120,7 +121,7 @@ class MTPDrafter(TargetBoundDrafter):
         device = self.target.device
         hidden = torch.stack([request.sequence._hidden for request in requests])  # [rows, H]
         tokens = torch.stack([request.token_ids[-1] for request in requests])
-        picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t)
+        picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t, request.candidates)
                  for request in requests]
         for step in range(max(request.num_drafts for request in requests)):
             hidden = self.model.step(hidden, self.target.embed(tokens.to(device)))
