@@ -172,8 +172,8 @@ def test_the_planner_learns_a_free_source_from_steps_it_did_not_draft():
         sources = []
         original_plan = engine._plan
 
-        def plan():
-            counts = original_plan()
+        def plan(token_ids):
+            counts = original_plan(token_ids)
             sources.append(engine.rows[0].source if counts[0] else None)
             return counts
 
@@ -228,8 +228,8 @@ def test_the_planner_weighs_each_step_by_the_rates_of_the_source_that_drafts_it(
     engine = SpecEngine(target, TwoSources(), 8, adaptive=True, planner=planner)
     original_plan = engine._plan
 
-    def plan():
-        counts = original_plan()
+    def plan(token_ids):
+        counts = original_plan(token_ids)
         for row in engine.rows:
             source = next(iter(row.drafter.next_sources(torch.tensor(row.tokens))))
             drafted_by[source].append(0)

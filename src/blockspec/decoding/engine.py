@@ -203,8 +203,9 @@ class SpecEngine:
         if not self.rows:
             return
         started = time.perf_counter()
-        plan = self._plan()
-        drafts = self._propose(plan)
+        token_ids = [torch.tensor(row.tokens) for row in self.rows]  # once per step: plan and propose read them
+        plan = self._plan(token_ids)
+        drafts = self._propose(plan, token_ids)
         predicted = self._grow_trees(drafts, plan) if self.tree_budget is not None else [None] * len(drafts)
         drafting_seconds = time.perf_counter() - started
         blocks = [[row.tokens[-1]] + draft.tokens.tolist() for row, draft in zip(self.rows, drafts)]
@@ -267,18 +268,18 @@ class SpecEngine:
         if row.ended:
             self._finish(len(self.rows) - 1)
 
-    def _plan(self) -> list[int]:
+    def _plan(self, token_ids: list[torch.Tensor]) -> list[int]:
         # never draft past max_new_tokens: accepted drafts + bonus <= what is left
         allowed = [min(self.block_size - 1, row.tokens_left - 1) if row.drafter is not None else 0
                    for row in self.rows]
         if self.planner is None:
             return allowed
         offers = []
-        for row, count in zip(self.rows, allowed):
+        for row, count, ids in zip(self.rows, allowed, token_ids):
             if row.drafter is None:
                 offers.append(None)
                 continue
-            sources = row.drafter.next_sources(torch.tensor(row.tokens))
+            sources = row.drafter.next_sources(ids)
             for source, proposed, accepted in row.drafter.undrafted_outcomes():
                 self.planner.observe(row.evidence_for(source), proposed, accepted)
             offers.append({source: (row.evidence_for(source), count if most is None else min(count, most))
@@ -288,7 +289,7 @@ class SpecEngine:
             row.source = source
         return counts
 
-    def _propose(self, plan: list[int]) -> list[Draft]:
+    def _propose(self, plan: list[int], token_ids: list[torch.Tensor]) -> list[Draft]:
         drafting = [i for i, count in enumerate(plan) if count]
         drafts = [NO_DRAFT] * len(self.rows)
         if not drafting:
@@ -298,7 +299,7 @@ class SpecEngine:
         for i in drafting:
             row = self.rows[i]
             row.catch_up_drafter()
-            requests.append(DraftRequest(row.drafter, torch.tensor(row.tokens), plan[i], row.params, row.generator,
+            requests.append(DraftRequest(row.drafter, token_ids[i], plan[i], row.params, row.generator,
                                          candidates, row.source))
         for i, draft in zip(drafting, self.drafter.propose(requests)):
             drafts[i] = draft
