@@ -42,7 +42,7 @@ class AcceptanceEvidence:
     tree_accepted: float = 1.0
     tree_predicted: float = 1.0
     tree_width: float = 0.0  # nodes of this source's recent trees (decayed mean; 0: no tree yet)
-    source: str = "model"  # the drafter's source it is about (`Drafter.next_source`)
+    source: str = "model"  # the drafter's source it is about (`Drafter.next_sources`)
 
     def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
         """Positions 1..accepted were accepted; position accepted + 1, if drafted, was
