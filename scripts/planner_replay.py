@@ -13,12 +13,16 @@ cost model sees it, per prompt and as a geometric mean per dataset.
 Methods: `lookup` (prompt lookup, 7 drafts every step, unplanned), `default` (the hybrid
 drafter, planned, 32-node trees), `chain` (the same with chains), each planned one with
 `:ATTR=VALUE` options set on its DraftPlanner (e.g. `decay=0.7`) and `:no-undrafted` (the
-planner gets no evidence from lookup's undrafted continuations).
+planner gets no evidence from lookup's undrafted continuations). `--cost-noise S`: the planners
+learn the modeled costs as a busy machine would time them (times exp(|N(0, S)|), seeded), to
+see how much a variant leans on cost differences that noise blurs.
 """
 
 import argparse
 import bisect
 import json
+import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -40,6 +44,9 @@ parser.add_argument("--limit", type=int, default=4)
 parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--methods", default="lookup,default")
 parser.add_argument("--output", default=None)
+parser.add_argument("--cost-noise", type=float, default=0.0,
+                    help="the planner's measured costs are the modeled ones times exp(|N(0, SIGMA)|): a busy "
+                         "machine's timings, which interference only slows (the clock stays noise-free)")
 args = parser.parse_args()
 
 target = load_target("default", threads=args.threads)
@@ -76,12 +83,20 @@ class Clock:
     seconds = 0.0
 
 
+NOISE = random.Random(0)
+
+
+def noisy(seconds: float) -> float:
+    return seconds * math.exp(abs(NOISE.gauss(0.0, args.cost_noise))) if args.cost_noise else seconds
+
+
 class ModeledPlanner(DraftPlanner):
-    """Learns the modeled costs of its steps instead of their timings."""
+    """Learns the modeled costs of its steps instead of their timings (with --cost-noise: as a
+    busy machine would time them)."""
 
     def record(self, query_tokens, verify_seconds, drafted_positions, drafting_seconds, source="model"):
-        super().record(query_tokens, verify_cost(query_tokens), drafted_positions,
-                       DRAFT_S if source == "model" else 0.0, source)
+        super().record(query_tokens, noisy(verify_cost(query_tokens)), drafted_positions,
+                       noisy(DRAFT_S) if source == "model" else 0.0, source)
 
 
 def build(method: str) -> SpecDecoder:
