@@ -186,6 +186,22 @@ def test_planner_lets_only_the_rows_that_pay_draft():
     assert plan[1] > 0 and plan[0] == plan[2] == plan[3] == 0  # None: a row with no drafter
 
 
+def test_a_tree_source_costed_out_by_one_wide_tree_is_probed_again():
+    """A source's recent trees stand for its width only while it drafts: one early 32-node
+    tree (drafted before anything was measured) must not cost it out for good."""
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
+    model = evidence(0.4)
+    planner.observe(model, 5, 2, predicted=2.0, nodes=32)  # one wide tree
+    assert planner.plan_sources([{"model": (model, 7)}]) == ([None], [0])  # 33 tokens a step: not worth it
+    for _ in range(12):  # plain steps: the row's evidence ages, its trees' width fades
+        planner.age(model)
+    sources, counts = planner.plan_sources([{"model": (model, 7)}])
+    assert sources == ["model"] and counts[0] > 0  # costed as the chain it can at least be, drafted again
+    planner.age(model)
+    planner.observe(model, 3, 1, predicted=1.0, nodes=4)  # the tree it then verified was narrow
+    assert model.recent_tree_width(planner.decay) < 8
+
+
 def test_planner_tries_a_size_it_has_not_measured_then_follows_the_measurement():
     planner = measured_planner({4: 70}, {2: 5})
     rows = [(evidence(0.6), 1)] * 4

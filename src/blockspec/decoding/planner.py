@@ -42,6 +42,7 @@ class AcceptanceEvidence:
     tree_accepted: float = 1.0
     tree_predicted: float = 1.0
     tree_width: float = 0.0  # nodes of this source's recent trees (decayed mean; 0: no tree yet)
+    steps_since_tree: int = 0  # steps aged since its last tree
     source: str = "model"  # the drafter's source it is about (`Drafter.next_sources`)
 
     def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
@@ -58,6 +59,15 @@ class AcceptanceEvidence:
     def age(self, decay: float) -> None:
         self.hits = [decay * h for h in self.hits]
         self.trials = [decay * t for t in self.trials]
+        self.steps_since_tree += 1
+
+    def recent_tree_width(self, decay: float) -> float:
+        """Nodes its trees are expected to have: the recent trees' width, fading (by `decay`
+        per step) the longer the source has not drafted, so that a source costed out by one
+        early wide tree is costed as a chain again and re-probed: its tree is sized after
+        drafting, to what pays then, and may well be narrow. (Every step ages every source
+        before the drafting one observes its tree: that step does not count.)"""
+        return self.tree_width * decay ** max(self.steps_since_tree - 1, 0)
 
     @property
     def tree_calibration(self) -> float:
@@ -161,7 +171,9 @@ class DraftPlanner:
             evidence.tree_predicted = self.decay * evidence.tree_predicted + predicted
         if nodes is not None:
             fresh = evidence.tree_width == 0.0
-            evidence.tree_width = nodes if fresh else self.decay * evidence.tree_width + (1 - self.decay) * nodes
+            evidence.tree_width = nodes if fresh else self.decay * evidence.recent_tree_width(self.decay) + (
+                1 - self.decay) * nodes
+            evidence.steps_since_tree = 0
 
     def tree_gains(self, evidence: AcceptanceEvidence, tree) -> list[float]:
         """E[accepted drafts] of the tree's first n nodes, n = 1..len, calibrated for the row."""
@@ -186,7 +198,8 @@ class DraftPlanner:
 
     def age(self, evidence: AcceptanceEvidence) -> None:
         """Once per step for every row: old evidence fades, so a row that stopped drafting
-        drifts back to the pooled rates and is probed again."""
+        drifts back to the pooled rates (and a tree source to a chain's width) and is probed
+        again."""
         evidence.age(self.decay)
 
     # --- the plan ---------------------------------------------------------------------------
@@ -204,7 +217,8 @@ class DraftPlanner:
         goodput on its own (ties: the drafter's order), counting that source's drafting
         time (prompt lookup's is ~0, as measured) and its verify width: a chain's drafts,
         or, for a source verified as token trees, its recent trees' node count (a tree is
-        sized only after the drafter ran, so its recent trees stand for it here). Then, at
+        sized only after the drafter ran, so its recent trees stand for it here; fading
+        while it does not draft). Then, at
         each draft count, the rows that gain most draft first, and a row joins only while
         it brings more than it costs."""
         self.now += 1
@@ -227,7 +241,7 @@ class DraftPlanner:
 
         def width(evidence: AcceptanceEvidence, drafts: int) -> int:
             """Tokens per row in the verify pass: anchor + drafts, or the source's recent trees."""
-            return max(1 + drafts, round(1 + evidence.tree_width))
+            return max(1 + drafts, round(1 + evidence.recent_tree_width(self.decay)))
 
         def alone(source: str, evidence: AcceptanceEvidence, gains: list[float]) -> float:
             return max(_goodput(batch + gain, verify(size_bucket(batch * width(evidence, k + 1)))
