@@ -48,12 +48,16 @@ fi
 ROUND=1 THREADS=1 BUDGET_S=1500 scripts/campaign.sh
 
 # Stages 4-6 (sessions 6-10): later rounds, each from a worktree of the session's code, one
-# thread. Round 2 shipped. Round 3 ran in a checkout without rounds 1-2's data (so it trained
-# on its own slice only; remove runs/campaign/regen-*-[12] to repeat that) and was not
+# thread. Round 2 shipped. Round 3 ran in a checkout without rounds 1-2's data (so it and
+# every later round trained without them: they are set aside below, as then) and was not
 # shipped; round 4 continued it on rounds 3-4's data and shipped (stage 5); round 5
 # continued round 4 on rounds 3-5's data and was not shipped (chat fell 0.01); round 6
 # continued round 5 on rounds 3-6's data and shipped (stage 6, the drafter in the repo now).
 ROUND=2 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
+mkdir -p runs/campaign/set-aside
+for data in runs/campaign/regen-*-1 runs/campaign/regen-*-2; do
+  [ -e "$data" ] && mv "$data" runs/campaign/set-aside/
+done
 ROUND=3 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
 ROUND=4 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-3/final scripts/campaign.sh
 ROUND=5 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-4/final scripts/campaign.sh
