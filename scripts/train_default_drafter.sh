@@ -56,7 +56,7 @@ ROUND=1 THREADS=1 BUDGET_S=1500 scripts/campaign.sh
 ROUND=2 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
 mkdir -p runs/campaign/set-aside
 for data in runs/campaign/regen-*-1 runs/campaign/regen-*-2; do
-  [ -e "$data" ] && mv "$data" runs/campaign/set-aside/
+  if [ -e "$data" ]; then mv "$data" runs/campaign/set-aside/; fi
 done
 ROUND=3 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
 ROUND=4 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-3/final scripts/campaign.sh
