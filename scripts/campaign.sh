@@ -36,11 +36,18 @@ $BS data --target default --output "$C/regen-math-$ROUND" --prompts "$DATA/gsm8k
     --seed "$ROUND" --threads "$THREADS"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
 # rounds 3-4 had none and HumanEval coverage fell 98.5% -> 91.5%. From round 5 on, odd rounds
-# regenerate the coding tasks and even rounds synthesize user turns.
+# bring code and even rounds synthesize user turns. Round 5 regenerated the coding tasks; data is
+# greedy, so regenerating them again would only duplicate it: from round 7 on, odd rounds take a
+# new slice of HumanEval-style prompts (signature + docstring) mined from the standard library,
+# in the benchmark's HumanEval format.
+CODE_PREFIX=$'Complete the following Python function. Return the whole function in one code block.\n\n'
 if [ "$ROUND" = 1 ]; then
   MIXED=(--prompts builtin:coding_tasks --prompts builtin:everyday_questions)
-elif [ "$ROUND" -ge 5 ] && [ $((ROUND % 2)) = 1 ]; then
+elif [ "$ROUND" = 5 ]; then
   MIXED=(--prompts builtin:coding_tasks)
+elif [ "$ROUND" -ge 7 ] && [ $((ROUND % 2)) = 1 ]; then
+  FIRST=$((400 * (ROUND - 7) / 2))
+  MIXED=(--prompts "python-functions:stdlib[$FIRST:$((FIRST + 400))]" --prompt-prefix "$CODE_PREFIX")
 else
   MIXED=(--synthesize 400)
 fi

@@ -107,3 +107,38 @@ def test_prompt_sources_slices_and_shipped_lists(tmp_path):
         read_sources(["builtin:nope"])
     with pytest.raises(InvalidArgumentError, match="no prompts"):
         read_sources([f"{path}[20:30]"])
+
+
+def test_python_function_prompts_are_humaneval_style_and_sliced_disjointly(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "tests").mkdir(parents=True)
+    (package / "maths.py").write_text(
+        "import functools\n\n"
+        "@functools.cache\n"
+        "def add_all(values: list[int], start: int = 0) -> int:\n"
+        '    """Return the sum of every value in `values`, counted from `start` upward."""\n'
+        "    return start + sum(values)\n\n"
+        "def _private(x):\n"
+        '    """A private helper is not a prompt, however long its docstring is."""\n\n'
+        "def short(x):\n"
+        '    """Too short."""\n\n'
+        "class Box:\n"
+        "    def method(self):\n"
+        '        """Methods need their class to make sense, so they are left out."""\n')
+    (package / "tests" / "test_maths.py").write_text(
+        'def test_add_all():\n    """A test suite reads nothing like a library function."""\n')
+    (package / "broken.py").write_text("def (:\n")  # unparsable files are skipped
+    prompts = read_sources([f"python-functions:{package}"])
+    assert prompts == ['def add_all(values: list[int], start: int=0) -> int:\n'
+                       '    """Return the sum of every value in `values`, counted from `start` upward."""\n']
+    stdlib = read_sources(["python-functions:stdlib"])
+    assert len(stdlib) == len(set(stdlib)) > 500
+    assert all(p.startswith(("def ", "async def ")) and '"""' in p for p in stdlib)
+    assert read_sources(["python-functions:stdlib[0:5]"]) + read_sources(["python-functions:stdlib[5:9]"]) \
+        == stdlib[:9]
+    with pytest.raises(InvalidArgumentError, match="not a folder"):
+        read_sources([f"python-functions:{tmp_path / 'missing'}"])
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "constants.py").write_text("LIMIT = 3\n")
+    with pytest.raises(InvalidArgumentError, match="no public function"):
+        read_sources([f"python-functions:{tmp_path / 'bare'}"])

@@ -87,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--output", required=True, help="folder for the shards (rerun to resume)")
     data.add_argument("--target", default="default")
     data.add_argument("--prompts", action="append", default=None, metavar="SOURCE",
-                      help="JSONL file, datasets name, local dataset folder or builtin:coding_tasks / "
-                           "builtin:everyday_questions, optionally sliced as SOURCE[start:stop]; repeatable")
+                      help="JSONL file, datasets name, local dataset folder, builtin:coding_tasks / "
+                           "builtin:everyday_questions, or python-functions:stdlib / python-functions:DIR "
+                           "(HumanEval-style signatures from Python source), optionally sliced as "
+                           "SOURCE[start:stop]; repeatable")
     data.add_argument("--split", default="train")
     data.add_argument("--limit", type=_positive_int, default=None, help="at most N prompts from each source")
     data.add_argument("--synthesize", type=int, default=0, help="add N prompts written by the target itself")

@@ -4,7 +4,9 @@ imitate the target, not the dataset).
 Prompts come from one or more sources: a JSONL file (fields `prompt`, `question`,
 `problem`, `instruction` or chat `messages`), a `datasets` name or local path, a list
 shipped with blockspec (`builtin:coding_tasks`, `builtin:everyday_questions`, written
-by the project, no benchmark text), each optionally sliced as `SOURCE[start:stop]`;
+by the project, no benchmark text), HumanEval-style signatures mined from Python source
+(`python-functions:stdlib` or `python-functions:DIR`, see `code_prompts`), each optionally
+sliced as `SOURCE[start:stop]`;
 or they are self-synthesized: the instruct target writes user turns itself from its
 own chat template. Responses come from the lean batched decoder
 (`blockspec.training.regenerate`). Output: a folder of shards `shard-NNNNN.jsonl` (one
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 from blockspec.atomic import write_text, write_with
 from blockspec.errors import InvalidArgumentError
+from blockspec.training.code_prompts import SOURCE_PREFIX as PYTHON_FUNCTIONS, python_function_prompts
 from blockspec.training.regenerate import generate_batch
 
 PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
@@ -76,7 +79,10 @@ def read_sources(sources: list[str], split: str = "train", limit: int | None = N
                 known = ", ".join(sorted(f"builtin:{p.stem}" for p in BUILTIN_PROMPTS.glob("*.jsonl")))
                 raise InvalidArgumentError(f"unknown prompt list {source!r}; shipped lists: {known}")
             source = str(path)
-        chosen = read_prompts(source, split)[start:stop]
+        if source.startswith(PYTHON_FUNCTIONS):
+            chosen = python_function_prompts(source.removeprefix(PYTHON_FUNCTIONS))[start:stop]
+        else:
+            chosen = read_prompts(source, split)[start:stop]
         if not chosen:
             raise InvalidArgumentError(f"{spec}: no prompts in this source (or slice)")
         prompts += chosen[:limit] if limit else chosen
