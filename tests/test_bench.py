@@ -123,3 +123,28 @@ def test_final_answers_and_accuracy():
     assert final_answer("She pays 1,200 dollars, then 18.") == "18"
     assert same_answer("1,200", "1200") and same_answer("18.0", "18") and not same_answer("17", "18")
     assert not same_answer(None, "3")
+
+
+def test_paired_comparison_cancels_the_spread_between_prompts(tmp_path):
+    """Prompts differ 4x in speed; the subject is 10% faster than `other` on every one of them:
+    the medians overlap, the paired ratio says 1.10 with a tight interval."""
+    methods = [Method("baseline", "none", 1), Method("subject", "x", 4), Method("other", "y", 4)]
+    base, subject, other = [], [], []
+    for prompt, speed in enumerate([1.0, 4.0, 2.0, 0.5, 3.0, 1.5]):
+        base.append(sample(8.0, 9, 8, [8, 0, 0, 0]))
+        other.append(sample(8.0 / speed, 9, 4, [0, 4, 0, 0]))
+        subject.append(sample(8.0 / speed / 1.1, 9, 4, [0, 4, 0, 0]))
+    result = BenchResult(samples={("baseline", "d"): base, ("subject", "d"): subject, ("other", "d"): other,
+                                  ("baseline", "e"): base[:3], ("subject", "e"): other[:3], ("other", "e"): other[:3]})
+    rows = summarize(result, methods)
+    comparisons = {(c["against"], c["dataset"]): c for c in runner.paired_comparisons(rows, methods)}
+    assert set(comparisons) == {("other", "d"), ("other", "e"), ("other", "all")}
+    on_d = comparisons[("other", "d")]
+    assert on_d["ratio"] == pytest.approx(1.1) and on_d["ci95"] == pytest.approx([1.1, 1.1])
+    assert comparisons[("other", "e")]["ratio"] == pytest.approx(1.0)  # the same samples: a tie
+    pooled = comparisons[("other", "all")]
+    assert pooled["prompts"] == 9 and 1.0 < pooled["ci95"][0] < pooled["ratio"] < pooled["ci95"][1] < 1.1
+    assert runner.paired_comparisons(rows, methods[:2]) == []  # nothing to compare with
+    report(rows, tmp_path, {"paired": list(comparisons.values())})
+    assert "| subject | other | d | 6 | 1.10x | 1.10-1.10 |" in (tmp_path / "table.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][1]["speedup_by_prompt"]

@@ -191,9 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--methods", default=None,
-                       help="comma-separated, the first is the baseline (default: baseline, default, prompt-lookup, "
-                            "dflash-auto, dflash-b16, dflash-b8, hf-generate, hf-prompt-lookup, hf-dflash-b16); "
-                            "dflash-bN for any block size N; `default` is what `blockspec generate` does")
+                       help="comma-separated, the first is the baseline, the second is compared with each later "
+                            "one prompt by prompt (default: baseline, default, default-chain, prompt-lookup, "
+                            "dflash-tree, dflash-auto, dflash-b16, dflash-b8, hf-generate, hf-prompt-lookup, "
+                            "hf-dflash-b16); dflash-bN for any block size N; `default` is what `blockspec generate` "
+                            "does")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--quick", action="store_true",
                        help="T=0, at most 64 new tokens, 2 prompts per dataset; baseline, transformers generate, "
@@ -524,7 +526,8 @@ def _import(args) -> int:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from blockspec.bench.runner import DEFAULT_METHODS, machine_description, parse_methods, report, run_bench, summarize
+    from blockspec.bench.runner import (DEFAULT_METHODS, machine_description, paired_comparisons, parse_methods,
+                                        report, run_bench, summarize)
     from blockspec.drafters.registry import shipped_drafter_for
     from blockspec.targets.loading import load_target
 
@@ -547,6 +550,7 @@ def _bench(args) -> int:
             "temperature": args.temperature, "seed": args.seed, "command": " ".join(sys.argv),
             "machine": machine_description()}
     rows = summarize(result, methods)
+    meta["paired"] = paired_comparisons(rows, methods)
     from blockspec.bench.costs import measure_costs
     from blockspec.drafters.registry import load_drafter
 

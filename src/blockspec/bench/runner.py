@@ -4,6 +4,8 @@ rotates), so that drift of a shared, noisy machine cancels out of the ratios."""
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
 import statistics
 import time
@@ -211,7 +213,8 @@ def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
     rows = []
     for (name, dataset), samples in result.samples.items():
         base = result.samples[(baseline, dataset)]
-        ratios = sorted(b.tpot_s / s.tpot_s for b, s in zip(base, samples) if s.tpot_s > 0)
+        per_prompt = [b.tpot_s / s.tpot_s if s.tpot_s > 0 else None for b, s in zip(base, samples)]
+        ratios = sorted(r for r in per_prompt if r is not None)
         steps = sum(s.steps for s in samples)
         committed = sum(s.new_tokens - len(s.token_ids) for s in samples)  # first token of a turn is not a step
         hist = [sum(col) for col in zip(*(s.accept_hist for s in samples))]
@@ -220,6 +223,7 @@ def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
         rows.append({
             "method": name, "dataset": dataset, "prompts": len(samples),
             "speedup_median": statistics.median(ratios), "speedup_p25": quartiles[0], "speedup_p75": quartiles[2],
+            "speedup_by_prompt": per_prompt,  # prompt order, for paired comparisons between methods
             "tau": committed / steps if steps else 0.0,
             "accept_by_pos": [round(p / steps, 4) if steps else 0.0 for p in proposed],
             "tokens_per_s": sum(s.new_tokens for s in samples) / sum(s.decode_s + s.ttft_s for s in samples),
@@ -233,6 +237,40 @@ def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
             rows[-1]["answer_accuracy"] = sum(same_answer(final_answer(s.texts[-1]), s.answer)
                                               for s in answered) / len(answered)
     return rows
+
+
+def paired_comparisons(rows: list[dict], methods: list[Method], resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """The first method after the baseline against each later one, PROMPT BY PROMPT.
+
+    Two methods' medians over a few prompts differ by run-to-run noise of the order of the
+    gaps between them (each prompt's speed varies far more than a method's); their per-prompt
+    ratio does not carry that spread, since both ran back to back on the same prompt. Per
+    dataset and over all datasets: the geometric mean of `subject time / other time` inverted
+    (above 1: the subject is faster) with a 95% bootstrap interval over prompts."""
+    if len(methods) < 3:
+        return []
+    subject = methods[1].name
+    by_key = {(r["method"], r["dataset"]): r["speedup_by_prompt"] for r in rows}
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    rng = random.Random(seed)
+    comparisons = []
+    for other in (m.name for m in methods[2:]):
+        pooled = []
+        for dataset in [*datasets, "all"]:
+            if dataset == "all":
+                logs = pooled
+            else:  # subject speedup / other speedup = other time / subject time, on the same prompt
+                pairs = zip(by_key.get((subject, dataset), []), by_key.get((other, dataset), []))
+                logs = [math.log(a / b) for a, b in pairs if a and b]
+                pooled += logs
+            if not logs or (dataset == "all" and len(datasets) < 2):
+                continue
+            means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+            comparisons.append({"method": subject, "against": other, "dataset": dataset, "prompts": len(logs),
+                                "ratio": math.exp(statistics.fmean(logs)),
+                                "ci95": [math.exp(means[int(0.025 * resamples)]),
+                                         math.exp(means[int(0.975 * resamples) - 1])]})
+    return comparisons
 
 
 def machine_description() -> dict:
@@ -278,12 +316,20 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
         lines.append(f"{r['method']:<18}{r['dataset']:<10}{r['prompts']:>4}{r['speedup_median']:>8.2f}x"
                      f"{'[%.2f-%.2f]' % (r['speedup_p25'], r['speedup_p75']):>14}{r['tau']:>7.2f}"
                      f"{r['tokens_per_s']:>8.1f}{r['mismatches']:>10}")
+    for c in meta.get("paired", []):
+        lines.append(f"{c['method']} vs {c['against']} on {c['dataset']}: {c['ratio']:.2f}x "
+                     f"[{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}] (per-prompt geomean, 95% bootstrap, {c['prompts']} prompts)")
     table = "\n".join(lines)
     print(table)
     markdown = ["| method | dataset | prompts | speedup (median) | p25-p75 | tau | accepted at draft pos 1/2/3 | "
                 "tokens/s | TTFT ms | T=0 mismatches | agreement | answer acc. |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     markdown += [_markdown_row(r) for r in rows]
+    if meta.get("paired"):
+        markdown += ["", "| method | against | dataset | prompts | time ratio (per-prompt geomean) | 95% bootstrap |",
+                     "|---|---|---|---|---|---|"]
+        markdown += [f"| {c['method']} | {c['against']} | {c['dataset']} | {c['prompts']} | {c['ratio']:.2f}x | "
+                     f"{c['ci95'][0]:.2f}-{c['ci95'][1]:.2f} |" for c in meta["paired"]]
     costs = meta.get("costs") or {}
     if costs:
         markdown += ["", "| method | decode(1) ms | verified tokens | verify ms | r | draft ms | d |",
