@@ -6,7 +6,8 @@
 #
 # A round: (1) regenerates a new slice of training prompts with the target (the benchmark's
 # own prompt format on the GSM8K *train* split, plus the project's coding and everyday prompts
-# in round 1, self-synthesized ones or the coding prompts later), features stored; (2) trains a drafter for
+# in round 1, self-synthesized ones or code prompts later, and from round 7 competition-math questions
+# the target writes), features stored; (2) trains a drafter for
 # BUDGET_S seconds of training steps on EVERY round's data so far, warm-started from the
 # shipped drafter; (3) measures held-out tau (`blockspec eval-drafter`: benchmark test prompts
 # that training never sees) and (4) ships it only when it beats the shipped drafter on both
@@ -53,6 +54,20 @@ else
 fi
 $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size 32 \
     --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
+# From round 7 on, also 400 competition-math questions the target writes itself (MATH-500 was the
+# weakest dataset, and no MATH train split is reachable here): each starts with an opening of the
+# kind MATH problems use, and gets the benchmark's boxed-answer suffix.
+if [ "$ROUND" -ge 7 ]; then
+  OPENINGS=()
+  for opening in 'Let $' 'Find the' 'How many' 'What is the value of' 'Compute' 'If $f(x)' 'Solve for' \
+      'In triangle $ABC$,' 'Simplify' 'What is the smallest positive integer' 'Evaluate' 'The sum of' \
+      'A right triangle' 'What is the probability that' 'Express' 'Suppose'; do
+    OPENINGS+=(--synthesize-opening "$opening")
+  done
+  $BS data --target default --output "$C/regen-competition-$ROUND" --synthesize 400 "${OPENINGS[@]}" \
+      --prompt-suffix "$SUFFIX" --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
+      --seed "$ROUND" --threads "$THREADS"
+fi
 fi
 FOLDERS=$(for f in "$C"/regen-*-*/; do if ls "$f"shard-*.jsonl >/dev/null 2>&1; then echo "${f%/}"; fi; done \
     | sort | paste -sd, -)

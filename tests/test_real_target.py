@@ -190,6 +190,22 @@ def test_cli_drafter_problems_are_one_clear_line(drafter_folders):
     assert "drafter=dflash block=<=8 (planned per step)" in ok.stdout  # the drafter's limit, planned
 
 
+def test_synthesized_prompts_start_with_the_openings_and_take_the_suffix(target, tmp_path):
+    import json
+
+    from blockspec.training.data import DataConfig, build_dataset
+
+    openings = ["Let $", "How many"]
+    build_dataset(target, DataConfig(output=str(tmp_path / "data"), synthesize=3, synthesize_openings=openings,
+                                     prompt_suffix=" Answer in \\boxed{}.", max_new_tokens=4, batch_size=3))
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "data" / "prompts.jsonl").read_text().splitlines()]
+    assert sorted(p.split()[0] for p in prompts) == ["How", "Let", "Let"]  # openings in turn (then shuffled)
+    assert all(p.endswith(" Answer in \\boxed{}.") and len(p) > 30 for p in prompts)
+    with pytest.raises(blockspec.InvalidArgumentError, match="--synthesize N"):
+        build_dataset(target, DataConfig(output=str(tmp_path / "other"), prompts=["builtin:coding_tasks[:1]"],
+                                         synthesize_openings=openings))
+
+
 def test_data_stores_features_that_training_reads_instead_of_running_the_target(target, tmp_path):
     from blockspec.training.config import TrainConfig
     from blockspec.training.data import DataConfig, build_dataset, load_records

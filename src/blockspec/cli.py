@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--split", default="train")
     data.add_argument("--limit", type=_positive_int, default=None, help="at most N prompts from each source")
     data.add_argument("--synthesize", type=int, default=0, help="add N prompts written by the target itself")
+    data.add_argument("--synthesize-opening", action="append", default=None, metavar="TEXT",
+                      help="synthesized prompts start with these words (repeatable, used in turn), e.g. 'Let $' "
+                           "or 'How many' for math questions")
     data.add_argument("--max-new-tokens", type=_positive_int, default=256)
     data.add_argument("--temperature", type=float, default=0.0)
     data.add_argument("--batch-size", type=_positive_int, default=64)
@@ -101,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--feature-layers", type=_layer_ids, default=None, metavar="IDS",
                       help="also store these target layers' features (fp16), e.g. 1,8,15,22,27: training then "
                            "skips the target pass (use the drafter's target_layer_ids)")
-    data.add_argument("--prompt-prefix", default="", help="text put before every text prompt of --prompts")
-    data.add_argument("--prompt-suffix", default="", help="text put after every text prompt of --prompts, e.g. a "
-                      "benchmark's instruction (use $'...' in bash for newlines)")
+    data.add_argument("--prompt-prefix", default="", help="text put before every text prompt (of --prompts "
+                      "and --synthesize)")
+    data.add_argument("--prompt-suffix", default="", help="text put after every text prompt (of --prompts and "
+                      "--synthesize), e.g. a benchmark's instruction (use $'...' in bash for newlines)")
     data.add_argument("--from-text", action="store_true",
                       help="take responses from the sources' own text (answer/response/completion/output) instead of "
                            "regenerating them; train on it with --distill-topk K (self logit distillation)")
@@ -388,7 +392,8 @@ def _data(args) -> int:
     from blockspec.training.data import DataConfig, build_dataset
 
     config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
-                        synthesize=args.synthesize, max_new_tokens=args.max_new_tokens,
+                        synthesize=args.synthesize, synthesize_openings=args.synthesize_opening,
+                        max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
                         seed=args.seed, feature_layers=args.feature_layers,
                         prompt_prefix=args.prompt_prefix, prompt_suffix=args.prompt_suffix, from_text=args.from_text)

@@ -48,14 +48,17 @@ class DataConfig:
     split: str = "train"
     limit: int | None = None  # at most N prompts from each source
     synthesize: int = 0  # number of self-synthesized prompts (added to the file's)
+    # Each synthesized user turn starts with one of these (in turn), the target writes the rest:
+    # steers what it asks about, e.g. "Let $" or "How many" for competition-math questions
+    synthesize_openings: list[str] | None = None
     max_new_tokens: int = 256
     temperature: float = 0.0
     batch_size: int = 64
     shard_size: int = 128
     seed: int = 0
     feature_layers: list[int] | None = None  # store these target layers' features (fp16) for training
-    # wrap every text prompt (not chat messages) as a benchmark formats its own, e.g. the
-    # math suffix "Please reason step by step ... \\boxed{}" on GSM8K *train* questions
+    # wrap every text prompt (not chat messages; synthesized ones too) as a benchmark formats its
+    # own, e.g. the math suffix "Please reason step by step ... \\boxed{}" on GSM8K *train* questions
     prompt_prefix: str = ""
     prompt_suffix: str = ""
     # Take each response from the source's own text (field `answer`, `response`, `completion` or
@@ -133,21 +136,26 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def synthesize_prompts(target, count: int, seed: int, batch_size: int = 16, max_new_tokens: int = 64) -> list[str]:
-    """Let an instruct target write user turns: sample after its own `user` header."""
+def synthesize_prompts(target, count: int, seed: int, batch_size: int = 16, max_new_tokens: int = 64,
+                       openings: list[str] | None = None) -> list[str]:
+    """Let an instruct target write user turns: sample after its own `user` header (and after
+    one of `openings`, in turn, when given: the turn then starts with it)."""
     if not target.has_chat_template:
         raise InvalidArgumentError("self-synthesized prompts need a target with a chat template; pass --prompts")
     marker = "\u2063BLOCKSPEC\u2063"
     text = target.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     header = target.tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+    starts = [target.tokenizer(o, add_special_tokens=False)["input_ids"] for o in openings or [""]]
     torch.manual_seed(seed)
     prompts: list[str] = []
     with tqdm(total=count, desc="synthesizing prompts", unit="prompt") as bar:
         while len(prompts) < count:
-            batch = [header] * min(batch_size, count - len(prompts))
-            for ids in generate_batch(target.model, batch, max_new_tokens, target.eos_token_ids, temperature=1.0):
-                prompt = target.decode(ids).strip()
-                if len(prompt) >= 8:
+            chosen = [starts[(len(prompts) + i) % len(starts)] for i in range(min(batch_size, count - len(prompts)))]
+            batch = [header + start for start in chosen]
+            for start, ids in zip(chosen, generate_batch(target.model, batch, max_new_tokens, target.eos_token_ids,
+                                                         temperature=1.0)):
+                prompt = target.decode(start + ids).strip()  # decoded together: no space lost at the seam
+                if len(prompt) >= 8 + len(target.decode(start)):
                     prompts.append(prompt)
                     bar.update(1)
     return prompts[:count]
@@ -216,6 +224,8 @@ def build_dataset(target, config: DataConfig) -> Path:
         return build_text_dataset(target, config)
     if config.temperature < 0:
         raise InvalidArgumentError(f"temperature must be >= 0, got {config.temperature}")
+    if config.synthesize_openings and not config.synthesize:
+        raise InvalidArgumentError("--synthesize-opening steers synthesized prompts: pass --synthesize N too")
     if config.feature_layers is not None:
         bad = [i for i in config.feature_layers if not 0 <= i < target.num_layers]
         if bad or not config.feature_layers:
@@ -232,10 +242,11 @@ def build_dataset(target, config: DataConfig) -> Path:
             raise InvalidArgumentError(f"{output} was started with feature_layers={stored}; resume it with the same")
     else:
         prompts = read_sources(config.prompts, config.split, config.limit) if config.prompts else []
+        if config.synthesize:
+            prompts += synthesize_prompts(target, config.synthesize, config.seed, config.batch_size,
+                                          openings=config.synthesize_openings)
         if config.prompt_prefix or config.prompt_suffix:
             prompts = [config.prompt_prefix + p + config.prompt_suffix if isinstance(p, str) else p for p in prompts]
-        if config.synthesize:
-            prompts += synthesize_prompts(target, config.synthesize, config.seed, config.batch_size)
         if not prompts:
             raise InvalidArgumentError("no prompts: pass --prompts or --synthesize N")
         random.Random(config.seed).shuffle(prompts)
