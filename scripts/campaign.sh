@@ -3,6 +3,7 @@
 # background beside other work, every step resumable (rerun the same command after a kill).
 #
 #   ROUND=1 THREADS=1 BUDGET_S=2400 nohup scripts/campaign.sh > runs/campaign/round-1.log 2>&1 &
+#   ROUND=2 DATA_ONLY=1 scripts/campaign.sh   # only the data of a round (e.g. the next one, in a spare thread)
 #
 # A round: (1) regenerates a new slice of training prompts with the target (the benchmark's
 # own prompt format on the GSM8K *train* split, plus the project's coding and everyday prompts
@@ -69,6 +70,8 @@ if [ "$ROUND" -ge 7 ]; then
       --seed "$ROUND" --threads "$THREADS"
 fi
 fi
+# DATA_ONLY=1 stops here: a spare thread can prepare the next round's data (resumable, shard by shard)
+if [ -n "${DATA_ONLY:-}" ]; then exit 0; fi
 FOLDERS=$(for f in "$C"/regen-*-*/; do if ls "$f"shard-*.jsonl >/dev/null 2>&1; then echo "${f%/}"; fi; done \
     | sort | paste -sd, -)
 
