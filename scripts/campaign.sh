@@ -33,7 +33,18 @@ mkdir -p "$C/eval"
 # SKIP_DATA=1 trains on the shards finished so far (a data job still running adds the rest later).
 START=$((1448 + 800 * (ROUND - 1)))
 if [ -z "${SKIP_DATA:-}" ]; then
-$BS data --target default --output "$C/regen-math-$ROUND" --prompts "$DATA/gsm8k/train.jsonl[$START:$((START + 800))]" \
+# GSM8K train holds 7,473 questions: round 8 takes the last 425, and later rounds 800 word problems
+# the target writes itself, opening as GSM8K questions do
+if [ "$START" -lt "$(wc -l < "$DATA/gsm8k/train.jsonl")" ]; then
+  MATH=(--prompts "$DATA/gsm8k/train.jsonl[$START:$((START + 800))]")
+else
+  MATH=(--synthesize 800)
+  for opening in 'Janet' 'A store sells' 'Tom has' 'There are' 'John buys' 'A farmer' 'Each day,' 'Sarah' \
+      'A class of' 'If a train' 'Mark earns' 'A bakery' 'Lisa reads' 'The price of' 'Two friends' 'A pool'; do
+    MATH+=(--synthesize-opening "$opening")
+  done
+fi
+$BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
     --prompt-suffix "$SUFFIX" --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
     --seed "$ROUND" --threads "$THREADS"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
