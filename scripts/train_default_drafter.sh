@@ -47,12 +47,15 @@ fi
 # shards and was resumed at step ~700 with BUDGET_S=1500 and all shards.)
 ROUND=1 THREADS=1 BUDGET_S=1500 scripts/campaign.sh
 
-# Stages 4-6 (sessions 6-10): later rounds, each from a worktree of the session's code, one
+# Stages 4-7 (sessions 6-11): later rounds, each from a worktree of the session's code, one
 # thread. Round 2 shipped. Round 3 ran in a checkout without rounds 1-2's data (so it and
 # every later round trained without them: they are set aside below, as then) and was not
 # shipped; round 4 continued it on rounds 3-4's data and shipped (stage 5); round 5
 # continued round 4 on rounds 3-5's data and was not shipped (chat fell 0.01); round 6
-# continued round 5 on rounds 3-6's data and shipped (stage 6, the drafter in the repo now).
+# continued round 5 on rounds 3-6's data and shipped (stage 6).
+# Stage 7 (session 11): round 7 continued round 6 on rounds 3-7's data and shipped (the drafter in
+# the repo now). Its competition-math step ran by hand beside the round, with the command the
+# script now holds, and was finished before training listed the data folders.
 ROUND=2 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
 mkdir -p runs/campaign/set-aside
 for data in runs/campaign/regen-*-1 runs/campaign/regen-*-2; do
@@ -62,3 +65,4 @@ ROUND=3 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
 ROUND=4 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-3/final scripts/campaign.sh
 ROUND=5 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-4/final scripts/campaign.sh
 ROUND=6 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-5/final scripts/campaign.sh
+ROUND=7 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-6/final scripts/campaign.sh

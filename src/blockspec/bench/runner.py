@@ -245,7 +245,7 @@ def paired_comparisons(rows: list[dict], methods: list[Method], resamples: int =
     Two methods' medians over a few prompts differ by run-to-run noise of the order of the
     gaps between them (each prompt's speed varies far more than a method's); their per-prompt
     ratio does not carry that spread, since both ran back to back on the same prompt. Per
-    dataset and over all datasets: the geometric mean of `subject time / other time` inverted
+    dataset and over all datasets: the geometric mean of `other's time / subject's time`
     (above 1: the subject is faster) with a 95% bootstrap interval over prompts."""
     if len(methods) < 3:
         return []
