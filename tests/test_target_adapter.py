@@ -81,3 +81,20 @@ def test_rollback_then_continue_matches_one_pass(arch):
     if arch == "gemma3":
         with pytest.raises(ValueError, match="sliding-window"):
             target.rollback(25)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_sdpa_own_gqa_gives_the_repeated_heads_numbers(arch, monkeypatch):
+    """load_target turns on SDPA's grouped-query attention on CPU (no copy of every K/V head):
+    a tree verify pass (a mask, sliding windows included) gives the same logits either way."""
+    from blockspec.targets.kv import SlotKV
+    from blockspec.targets.loading import CPU_SDPA_GQA
+
+    target = tiny_target(arch)
+    logits = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(CPU_SDPA_GQA, setting)
+        kv = SlotKV(target)
+        kv.prefill(torch.arange(2, 30))
+        logits[setting], _ = kv.verify([[5, 6, 7, 8, 9]], [[-1, 0, 0, 2]])
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
