@@ -12,7 +12,8 @@ from blockspec.errors import InvalidArgumentError
 from blockspec.training.config import TrainConfig, load_config
 from blockspec.training.methods import METHODS
 from blockspec.training.methods.dflash import DFlashMethod, build_blocks
-from blockspec.training.trainer import IGNORE, Trainer, loss_weights, sample_anchors
+from blockspec.training import trainer as trainer_module
+from blockspec.training.trainer import IGNORE, Trainer, autocast_dtype, loss_weights, sample_anchors
 from conftest import DATA_DIR, hf_greedy, tiny_target
 
 
@@ -52,16 +53,21 @@ def one_record(target, length=48):
 
 
 def small_config(tmp_path, **overrides):
+    # fp32 unless a test asks: "auto" would pick bf16 on CPUs with bf16 units and fp32 elsewhere
     values = dict(data="unused", output=str(tmp_path / "run"), num_layers=1, block_size=8, num_anchors=16,
-                  batch_size=1, lr=3e-3, epochs=1, holdout=0, eval_every=0, save_every=1000, warmup_ratio=0.0)
+                  batch_size=1, lr=3e-3, epochs=1, holdout=0, eval_every=0, save_every=1000, warmup_ratio=0.0,
+                  precision="fp32")
     values.update(overrides)
     return TrainConfig(**values)
 
 
-def test_overfit_gate_a_drafter_trained_on_one_sequence_drafts_it_whole(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_overfit_gate_a_drafter_trained_on_one_sequence_drafts_it_whole(tmp_path, precision):
+    """bf16: the step autocasts (master weights and loss fp32), and the drafter still learns
+    the sequence whole."""
     target = tiny_target("llama")
     record = one_record(target)
-    config = small_config(tmp_path, epochs=300)
+    config = small_config(tmp_path, epochs=300, precision=precision)
     trainer = Trainer(config, target, DFlashMethod(), records=[record])
     trainer.run()
     drafter = DFlashDrafter(trainer.model.eval(), target)
@@ -321,3 +327,18 @@ def test_distilling_runs_one_target_pass_per_new_batch_for_features_and_distribu
         target.model.forward = forward
     assert trainer.step == 2 and len(trainer._top) == 2 and len(trainer._features) == 2
     assert len(calls) == 1  # one pass filled both caches; the second epoch reused them
+
+
+def test_precision_auto_takes_bf16_where_the_cpu_multiplies_it_natively(tmp_path, monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert autocast_dtype("fp32", cuda) is None and autocast_dtype("bf16", cpu) is torch.bfloat16
+    assert autocast_dtype("auto", cuda) is torch.bfloat16
+    for native, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(trainer_module, "cpu_has_bf16_matmul", lambda native=native: native)
+        assert autocast_dtype("auto", cpu) is expected
+    target = tiny_target("llama")
+    trainer = Trainer(small_config(tmp_path, precision="bf16"), target, DFlashMethod(), [one_record(target)])
+    assert trainer.train_step()["loss"] > 0
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+    with pytest.raises(InvalidArgumentError, match="precision must be auto, bf16 or fp32"):
+        Trainer(small_config(tmp_path, precision="fp16"), target, DFlashMethod(), [one_record(target)])

@@ -126,6 +126,24 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
         raise InvalidArgumentError(f"loss_weighting must be decay or expected-length, got {config.loss_weighting!r}")
     if config.distill_topk < 0:
         raise InvalidArgumentError(f"distill_topk must be >= 0, got {config.distill_topk}")
+    if config.precision not in ("auto", "bf16", "fp32"):
+        raise InvalidArgumentError(f"precision must be auto, bf16 or fp32, got {config.precision!r}")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX512-BF16); without,
+    bf16 is emulated and slower than fp32 (measured on an AVX2 machine: a 16-token pass 2x)."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check() for check in checks if check is not None)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype a training step autocasts to (None: plain fp32)."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16" or device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matmul()):
+        return torch.bfloat16
+    return None
 
 
 class Trainer:
@@ -210,6 +228,7 @@ class Trainer:
         self._features: dict[int, torch.Tensor] = {}  # record index -> target features, computed once
         self._top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # record index -> target top-k (ids, probs)
         self.output = Path(config.output)
+        self.autocast = autocast_dtype(config.precision, target.device)
 
     def _warm_start(self, folder: str) -> None:
         try:
@@ -294,6 +313,10 @@ class Trainer:
         """Per training record: the target's features of the drafter's layers, [n, layers * hidden]
         on the host, 16-bit (read where `blockspec data` stored them, else computed), kept for
         the next epochs."""
+        with torch.autocast(self.target.device.type, enabled=False):  # the target's own precision
+            return self._features_of(indices)
+
+    def _features_of(self, indices: list[int]) -> list[torch.Tensor]:
         layer_ids = tuple(self.model.config.target_layer_ids)
         missing = [i for i in indices if i not in self._features]
         # captured by `blockspec data` while it generated, for these layers or more
@@ -340,7 +363,9 @@ class Trainer:
         missing = [i for i in indices if i not in self._top]
         if missing:  # records whose features were stored: their distributions still need a pass
             sequences, ids, attention = self._padded(missing)
-            self._keep_top(missing, sequences, self.target.model(input_ids=ids, attention_mask=attention).logits)
+            with torch.autocast(self.target.device.type, enabled=False):  # the target's own precision
+                logits = self.target.model(input_ids=ids, attention_mask=attention).logits
+            self._keep_top(missing, sequences, logits)
         return [self._top[i] for i in indices]
 
     # --- what the losses share -------------------------------------------------------
@@ -413,9 +438,9 @@ class Trainer:
             indices = indices[self.rank::self.world_size]
         epoch = self.step // self.steps_per_epoch
         self.ddp_model.train()
-        # bf16 autocast on a GPU (fp32 master weights, fp32 loss); a CPU step stays fp32:
-        # this CPU has no bf16 compute
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.target.device.type == "cuda"):
+        # bf16 autocast where it pays (`precision`); fp32 master weights and loss either way
+        with torch.autocast(self.target.device.type, dtype=self.autocast or torch.bfloat16,
+                            enabled=self.autocast is not None):
             loss, metrics = self.method.loss(self, indices, epoch)
         self.optimizer.zero_grad(set_to_none=True)
         # DDP AVERAGES gradients over ranks while each rank's loss is already its share
