@@ -26,7 +26,8 @@ SHIPPED=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
 # INIT: where training starts (default: the shipped drafter; a previous round's final continues it)
 INIT=${INIT:-$SHIPPED}
 LAYERS=1,8,15,22,27
-SUFFIX=$'\nPlease reason step by step, and put your final answer within \\boxed{}.'
+# add_openings ARRAY TEXT...: appends a --synthesize-opening flag per TEXT to ARRAY
+add_openings() { local -n into=$1; shift; for opening in "$@"; do into+=(--synthesize-opening "$opening"); done; }
 mkdir -p "$C/eval"
 
 # (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages).
@@ -39,13 +40,11 @@ if [ "$START" -lt "$(wc -l < "$DATA/gsm8k/train.jsonl")" ]; then
   MATH=(--prompts "$DATA/gsm8k/train.jsonl[$START:$((START + 800))]")
 else
   MATH=(--synthesize 800)
-  for opening in 'Janet' 'A store sells' 'Tom has' 'There are' 'John buys' 'A farmer' 'Each day,' 'Sarah' \
-      'A class of' 'If a train' 'Mark earns' 'A bakery' 'Lisa reads' 'The price of' 'Two friends' 'A pool'; do
-    MATH+=(--synthesize-opening "$opening")
-  done
+  add_openings MATH 'Janet' 'A store sells' 'Tom has' 'There are' 'John buys' 'A farmer' 'Each day,' 'Sarah' \
+      'A class of' 'If a train' 'Mark earns' 'A bakery' 'Lisa reads' 'The price of' 'Two friends' 'A pool'
 fi
 $BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
-    --prompt-suffix "$SUFFIX" --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
+    --prompt-format math --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
     --seed "$ROUND" --threads "$THREADS"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
 # rounds 3-4 had none and HumanEval coverage fell 98.5% -> 91.5%. From round 5 on, odd rounds
@@ -53,14 +52,13 @@ $BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
 # greedy, so regenerating them again would only duplicate it: from round 7 on, odd rounds take a
 # new slice of HumanEval-style prompts (signature + docstring) mined from the standard library,
 # in the benchmark's HumanEval format.
-CODE_PREFIX=$'Complete the following Python function. Return the whole function in one code block.\n\n'
 if [ "$ROUND" = 1 ]; then
   MIXED=(--prompts builtin:coding_tasks --prompts builtin:everyday_questions)
 elif [ "$ROUND" = 5 ]; then
   MIXED=(--prompts builtin:coding_tasks)
 elif [ "$ROUND" -ge 7 ] && [ $((ROUND % 2)) = 1 ]; then
   FIRST=$((400 * (ROUND - 7) / 2))
-  MIXED=(--prompts "python-functions:stdlib[$FIRST:$((FIRST + 400))]" --prompt-prefix "$CODE_PREFIX")
+  MIXED=(--prompts "python-functions:stdlib[$FIRST:$((FIRST + 400))]" --prompt-format code)
 else
   MIXED=(--synthesize 400)
 fi
@@ -71,13 +69,11 @@ $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-n
 # kind MATH problems use, and gets the benchmark's boxed-answer suffix.
 if [ "$ROUND" -ge 7 ]; then
   OPENINGS=()
-  for opening in 'Let $' 'Find the' 'How many' 'What is the value of' 'Compute' 'If $f(x)' 'Solve for' \
+  add_openings OPENINGS 'Let $' 'Find the' 'How many' 'What is the value of' 'Compute' 'If $f(x)' 'Solve for' \
       'In triangle $ABC$,' 'Simplify' 'What is the smallest positive integer' 'Evaluate' 'The sum of' \
-      'A right triangle' 'What is the probability that' 'Express' 'Suppose'; do
-    OPENINGS+=(--synthesize-opening "$opening")
-  done
+      'A right triangle' 'What is the probability that' 'Express' 'Suppose'
   $BS data --target default --output "$C/regen-competition-$ROUND" --synthesize 400 "${OPENINGS[@]}" \
-      --prompt-suffix "$SUFFIX" --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
+      --prompt-format math --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
       --seed "$ROUND" --threads "$THREADS"
 fi
 fi

@@ -165,6 +165,8 @@ BAD_INPUTS = {
                                            "DFlash drafter"),
     "diffusion steps beyond the block": (["generate", "hi", "--mode", "diffusion", "--block-size", "4",
                                           "--diffusion-steps", "4"], "diffusion steps"),
+    "a prompt format and a suffix": (["data", "--output", "/tmp/unused", "--prompts", "builtin:coding_tasks[:1]",
+                                      "--prompt-format", "math", "--prompt-suffix", "x"], "--prompt-format"),
 }
 
 
@@ -188,6 +190,15 @@ def test_cli_drafter_problems_are_one_clear_line(drafter_folders):
         assert message in proc.stderr, proc.stderr
     ok = cli("generate", "hi", "--drafter", str(drafter_folders / "b8"), "--max-new-tokens", "8")
     assert "drafter=dflash block=<=8 (planned per step)" in ok.stdout  # the drafter's limit, planned
+
+
+def test_data_prompt_format_is_the_benchmarks_own(tmp_path):
+    from blockspec.bench.datasets import CODE_PREFIX
+
+    cli("data", "--output", str(tmp_path / "data"), "--prompts", "builtin:coding_tasks[:1]", "--prompt-format", "code",
+        "--max-new-tokens", "2")
+    (prompt,) = [json.loads(line)["prompt"] for line in (tmp_path / "data" / "prompts.jsonl").read_text().splitlines()]
+    assert prompt.startswith(CODE_PREFIX) and len(prompt) > len(CODE_PREFIX)
 
 
 def test_synthesized_prompts_start_with_the_openings_and_take_the_suffix(target, tmp_path):

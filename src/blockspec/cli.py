@@ -8,6 +8,7 @@ import os
 import sys
 
 from blockspec import __version__
+from blockspec.bench.datasets import PROMPT_FORMATS
 from blockspec.defaults import DEFAULT_TREE_BUDGET
 from blockspec.errors import BlockspecError, InvalidArgumentError
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "and --synthesize)")
     data.add_argument("--prompt-suffix", default="", help="text put after every text prompt (of --prompts and "
                       "--synthesize), e.g. a benchmark's instruction (use $'...' in bash for newlines)")
+    data.add_argument("--prompt-format", choices=sorted(PROMPT_FORMATS), default=None,
+                      help="wrap every text prompt as `blockspec bench` does: math = the GSM8K / MATH-500 "
+                           "boxed-answer instruction after it, code = the HumanEval instruction before it")
     data.add_argument("--from-text", action="store_true",
                       help="take responses from the sources' own text (answer/response/completion/output) instead of "
                            "regenerating them; train on it with --distill-topk K (self logit distillation)")
@@ -391,12 +395,17 @@ def _data(args) -> int:
     from blockspec.targets.loading import load_target
     from blockspec.training.data import DataConfig, build_dataset
 
+    prefix, suffix = args.prompt_prefix, args.prompt_suffix
+    if args.prompt_format:
+        if prefix or suffix:
+            raise BlockspecError("--prompt-format already sets the prefix and suffix: drop --prompt-prefix/--prompt-suffix")
+        prefix, suffix = PROMPT_FORMATS[args.prompt_format]
     config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
                         synthesize=args.synthesize, synthesize_openings=args.synthesize_opening,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
                         seed=args.seed, feature_layers=args.feature_layers,
-                        prompt_prefix=args.prompt_prefix, prompt_suffix=args.prompt_suffix, from_text=args.from_text)
+                        prompt_prefix=prefix, prompt_suffix=suffix, from_text=args.from_text)
     build_dataset(load_target(args.target, threads=args.threads, device=args.device or "cpu"), config)
     return 0
 

@@ -19,6 +19,8 @@ from blockspec.errors import InvalidArgumentError
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Complete the following Python function. Return the whole function in one code block.\n\n"
+# (prefix, suffix) of each kind of benchmark prompt, for training data in the same format
+PROMPT_FORMATS = {"math": ("", MATH_SUFFIX), "code": (CODE_PREFIX, "")}
 
 # name -> (local file, public dataset name, split, prompt field)
 SOURCES = {
