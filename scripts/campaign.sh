@@ -14,6 +14,7 @@
 # that training never sees) and (4) ships it only when it beats the shipped drafter on both
 # domains (math+code and chat), appending the result to runs/campaign/ledger.jsonl.
 # THREADS keeps the job to part of the CPU (two torch processes at full threads thrash).
+# PRECISION (auto): `train --precision`; auto = bf16 autocast on CPUs with bf16 units (round 8's A/B).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUND=${ROUND:?set ROUND=1, 2, ...}
@@ -90,7 +91,8 @@ if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
   $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$INIT" \
       --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size 8192 \
       --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
-      --loss-weighting ${WEIGHTING:-decay} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS"
+      --loss-weighting ${WEIGHTING:-decay} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
+      --precision "${PRECISION:-auto}"
 fi
 
 # (3) held-out tau of the candidate and of what is shipped now (same prompts, same settings)
