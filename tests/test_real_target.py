@@ -245,6 +245,33 @@ def test_data_stores_features_that_training_reads_instead_of_running_the_target(
         torch.testing.assert_close(a.float(), b[: a.shape[0]].float(), atol=0.15, rtol=2e-2)
 
 
+def test_data_in_bf16_is_recorded_resumed_alike_and_trains(tmp_path):
+    """`data --dtype bfloat16`: the target writes in bf16 (its features stored bf16), the folder
+    records it, a resume in another precision is refused, and training reads the data."""
+    from blockspec.training.config import TrainConfig
+    from blockspec.training.data import DataConfig, build_dataset, load_records
+    from blockspec.training.methods.dflash import DFlashMethod
+    from blockspec.training.trainer import Trainer
+
+    layers = [1, 8, 15, 22, 27]
+    bf16 = load_target("default", dtype="bfloat16")
+    config = DataConfig(output=str(tmp_path / "data"), prompts=["builtin:everyday_questions[:2]"], max_new_tokens=8,
+                        batch_size=2, feature_layers=layers, dtype="bfloat16")
+    build_dataset(bf16, config)
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["config"]["dtype"] == "bfloat16"
+    with pytest.raises(blockspec.InvalidArgumentError, match="loaded in torch.bfloat16"):
+        build_dataset(bf16, DataConfig(output=str(tmp_path / "other"), prompts=config.prompts))
+    fp32 = load_target("default")
+    with pytest.raises(blockspec.InvalidArgumentError, match="started with dtype=bfloat16"):
+        build_dataset(fp32, DataConfig(output=config.output, prompts=config.prompts, max_new_tokens=8,
+                                       feature_layers=layers))
+    records = load_records(tmp_path / "data")
+    assert len(records) == 2 and all(len(r["response_ids"]) > 0 for r in records)
+    trainer = Trainer(TrainConfig(num_layers=1, target_layer_ids=layers, holdout=0, block_size=4, num_anchors=2,
+                                  batch_size=2, precision="fp32"), fp32, DFlashMethod(), records)
+    assert trainer.train_step()["loss"] > 0
+
+
 def test_cli_diffusion_mode_says_it_is_lossy():
     proc = cli("generate", PROMPTS[0], "--mode", "diffusion", "--max-new-tokens", "24", "--block-size", "8",
                "--diffusion-steps", "2", "--json")
