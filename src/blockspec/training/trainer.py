@@ -311,13 +311,15 @@ class Trainer:
     @torch.inference_mode()
     def features(self, indices: list[int]) -> list[torch.Tensor]:
         """Per training record: the target's features of the drafter's layers, [n, layers * hidden]
-        on the host, 16-bit (read where `blockspec data` stored them, else computed), kept for
-        the next epochs."""
+        on the host, 16-bit: read where `blockspec data` stored them (every time: the OS caches
+        the files, and a campaign's features outgrow RAM: 14 folders held 12 GiB), else computed
+        and kept for the next epochs."""
         with torch.autocast(self.target.device.type, enabled=False):  # the target's own precision
             return self._features_of(indices)
 
     def _features_of(self, indices: list[int]) -> list[torch.Tensor]:
         layer_ids = tuple(self.model.config.target_layer_ids)
+        found = {}
         missing = [i for i in indices if i not in self._features]
         # captured by `blockspec data` while it generated, for these layers or more
         stored = [i for i in missing
@@ -333,8 +335,8 @@ class Trainer:
                                            "overflow?): rebuild this dataset with the current `blockspec data`, "
                                            "which stores bf16 where fp16 would overflow")
             chosen = [everything[:, stored_ids.index(i) * width:(stored_ids.index(i) + 1) * width] for i in layer_ids]
-            self._features[index] = compact_features(torch.cat(chosen, dim=-1))
-        missing = [i for i in missing if i not in self._features]
+            found[index] = compact_features(torch.cat(chosen, dim=-1))
+        missing = [i for i in missing if i not in found]
         if missing:
             sequences, ids, attention = self._padded(missing)
             # distilling: the same pass gives the target's distributions (one target pass per record, not two)
@@ -343,11 +345,11 @@ class Trainer:
                                     logits_to_keep=0 if distill else 1)
             stacked = target_features(out.hidden_states, layer_ids)
             for row, index in enumerate(missing):
-                # 16-bit in host memory: the features of a whole dataset must fit in RAM for reuse each epoch
+                # 16-bit in host memory: computed features are kept for reuse each epoch
                 self._features[index] = compact_features(stacked[row, : sequences[row].numel()].to("cpu"))
             if distill:
                 self._keep_top(missing, sequences, out.logits)
-        return [self._features[i] for i in indices]
+        return [found[i] if i in found else self._features[i] for i in indices]
 
     def _keep_top(self, indices: list[int], sequences: list[torch.Tensor], logits: torch.Tensor) -> None:
         """Cache the target's top-k next-token ids and probabilities of each record (rows of `logits`)."""
