@@ -66,3 +66,18 @@ ROUND=4 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-3/final scripts/campaig
 ROUND=5 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-4/final scripts/campaign.sh
 ROUND=6 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-5/final scripts/campaign.sh
 ROUND=7 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-6/final scripts/campaign.sh
+# Stage 8 (session 12): round 8 in two arms on the same data. The campaign's own run trained in
+# fp32 (the code of the time had no --precision) and shipped in its worktree; the same train
+# command under bf16 autocast learned more in the same CPU time and is the drafter in the repo
+# (OOM-killed once at step 1,299 beside the fp32 run and resumed with --resume; exact).
+ROUND=8 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-7/final PRECISION=fp32 scripts/campaign.sh
+FOLDERS=$(ls -d runs/campaign/regen-*-[3-8] | sort | paste -sd, -)
+.venv/bin/blockspec train --target default --data "$FOLDERS" --output runs/campaign/train-8-bf16 \
+    --init-from runs/campaign/train-7/final --num-layers 2 --target-layer-ids 1,8,15,22,27 --block-size 16 \
+    --draft-vocab-size 8192 --num-anchors 24 --batch-size 4 --lr 6e-4 --warmup-ratio 0.02 --epochs 100 \
+    --loss-weighting decay --time-budget-s 2400 --time-budget-clock cpu --max-length 1024 --eval-every 0 \
+    --save-every 25 --seed 8 --threads 1 --precision bf16
+.venv/bin/blockspec eval-drafter runs/campaign/train-8-bf16/final --data-dir ../shared/data --limit 8 \
+    --max-new-tokens 128 --block-size 16 --threads 1 --output runs/campaign/eval/train-8-bf16.json
+python scripts/ship_drafter.py runs/campaign/train-8-bf16/final src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 \
+    runs/campaign/train-8-bf16/metrics.png

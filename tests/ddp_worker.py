@@ -38,7 +38,8 @@ def main() -> None:
                 "response_ids": torch.randint(2, 90, (20 + 3 * i,), generator=generator).tolist()} for i in range(8)]
     config = TrainConfig(method=args.method, data="unused", output=os.path.join(args.out_dir, f"run-{args.tag}"),
                          num_layers=1, block_size=4, num_anchors=6, batch_size=4, epochs=2, max_steps=args.max_steps,
-                         holdout=0, eval_every=0, save_every=1, lr=1e-3, parallel=args.parallel)
+                         holdout=0, eval_every=0, save_every=1, lr=1e-3, parallel=args.parallel,
+                         precision="fp32")  # the ranks must match one process to 1e-4
     trainer = Trainer(config, target, METHODS[args.method], records)
     trainer.run(resume=args.resume)
     model = trainer.full_model()  # collective under FSDP
