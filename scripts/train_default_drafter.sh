@@ -53,8 +53,8 @@ ROUND=1 THREADS=1 BUDGET_S=1500 scripts/campaign.sh
 # shipped; round 4 continued it on rounds 3-4's data and shipped (stage 5); round 5
 # continued round 4 on rounds 3-5's data and was not shipped (chat fell 0.01); round 6
 # continued round 5 on rounds 3-6's data and shipped (stage 6).
-# Stage 7 (session 11): round 7 continued round 6 on rounds 3-7's data and shipped (the drafter in
-# the repo now). Its competition-math step ran by hand beside the round, with the command the
+# Stage 7 (session 11): round 7 continued round 6 on rounds 3-7's data and shipped (stage 7).
+# Its competition-math step ran by hand beside the round, with the command the
 # script now holds, and was finished before training listed the data folders.
 ROUND=2 THREADS=1 BUDGET_S=2400 scripts/campaign.sh
 mkdir -p runs/campaign/set-aside
