@@ -97,6 +97,16 @@ def test_method_names_parse_into_the_registry():
         parse_methods("baseline,medusa", None)
     with pytest.raises(InvalidArgumentError, match="first bench method"):
         parse_methods("prompt-lookup,baseline", None)
+    # `@DTYPE`: the same method with its drafter in another precision, side by side
+    precisions = parse_methods("baseline,default,default@float32,dflash-b8@bfloat16", "/drafter", "auto")[1:]
+    assert [(m.name, m.drafter, m.tree_budget, m.drafter_dtype) for m in precisions] == [
+        ("default", "hybrid:/drafter", 32, "auto"), ("default@float32", "hybrid:/drafter", 32, "float32"),
+        ("dflash-b8@bfloat16", "/drafter", None, "bfloat16")]
+    assert parse_methods("baseline,prompt-lookup", None, "float32")[1].drafter_dtype == "float32"
+    with pytest.raises(InvalidArgumentError, match="precision must be one of"):
+        parse_methods("baseline,default@int8", "/drafter")
+    with pytest.raises(InvalidArgumentError, match="transformers peer"):
+        parse_methods("baseline,hf-dflash-b8@bfloat16", "/drafter")
 
 
 @pytest.mark.real

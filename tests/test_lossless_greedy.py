@@ -27,7 +27,8 @@ def reference(arch, prompt_name, max_new=MAX_NEW, eos=EOS):
     return hf_greedy(target_for(arch).model, PROMPTS[prompt_name], max_new, eos)
 
 
-def make_drafter(kind, target, prompt, ref, seed=0):
+def make_drafter(kind, target, prompt, ref, seed=0, dtype=None):
+    """`dtype`: the precision a trained drafter computes in (default: the target's)."""
     if kind == "none":
         return None
     if kind == "prompt-lookup":
@@ -37,14 +38,14 @@ def make_drafter(kind, target, prompt, ref, seed=0):
     if kind == "dflash":  # random weights: low acceptance, stresses rollback
         torch.manual_seed(seed)
         config = DFlashConfig.for_target(target, num_layers=2, block_size=16, mask_token_id=target.vocab_size - 1)
-        return DFlashDrafter(DFlashDraftModel(config), target)
+        return DFlashDrafter(DFlashDraftModel(config), target, dtype=dtype)
     if kind == "dflash-reduced-vocab":  # a draft vocabulary of 24 of the 96 ids
         torch.manual_seed(seed)
         config = DFlashConfig.for_target(target, num_layers=1, block_size=16, mask_token_id=target.vocab_size - 1)
         config.draft_vocab_size = 24
         model = DFlashDraftModel(config)
         model.d2t.copy_(torch.randperm(target.vocab_size)[:24].sort().values)
-        return DFlashDrafter(model, target)
+        return DFlashDrafter(model, target, dtype=dtype)
     if kind == "mtp":  # a random MTP head (reduced draft vocabulary on odd seeds)
         from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
 
@@ -54,7 +55,7 @@ def make_drafter(kind, target, prompt, ref, seed=0):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.3)
-        return MTPDrafter(model, target)
+        return MTPDrafter(model, target, dtype=dtype)
     if kind == "eagle3":  # a random EAGLE-3 layer with a reduced draft vocabulary (stresses d2t and t2d)
         from blockspec.drafters.eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Drafter
 
@@ -63,7 +64,7 @@ def make_drafter(kind, target, prompt, ref, seed=0):
         config.draft_vocab_size = 48
         model = Eagle3DraftModel(config)
         model.d2t.copy_(torch.randperm(target.vocab_size)[:48].sort().values)
-        return Eagle3Drafter(model, target)
+        return Eagle3Drafter(model, target, dtype=dtype)
     if kind == "draft-model":  # an independent small LM with the same vocabulary
         from blockspec.drafters.draft_model import DraftModelDrafter
 
@@ -90,6 +91,32 @@ def test_greedy_identity(arch, kind, block, prompt_name):
     prompt = PROMPTS[prompt_name]
     ref = reference(arch, prompt_name)
     ours = run(target, make_drafter(kind, target, prompt, ref), block, prompt)
+    assert_same_or_near_tie(target.model, prompt, ours, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["dflash", "dflash-reduced-vocab", "mtp", "eagle3"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "batched"])
+def test_greedy_identity_with_a_bfloat16_drafter(arch, kind, shape):
+    """A drafter computing in bf16 beside a float32 target (what `--drafter-dtype auto`
+    picks on CPUs with bf16 matrix units) changes what is drafted, never what is output:
+    chains, token trees, and rows batched together."""
+    target = target_for(arch)
+    prompt = PROMPTS["len23"]
+    ref = reference(arch, "len23")
+    drafter = make_drafter(kind, target, prompt, ref, dtype=torch.bfloat16)
+    assert next(drafter.model.parameters()).dtype == torch.bfloat16 and target.dtype == torch.float32
+    if shape == "batched":  # beside another row: the drafter's padded, masked pass in bf16
+        engine = SpecEngine(target, drafter, 8, max_batch=2)
+        outputs = {name: [] for name in ("len23", "len6")}
+        for name, tokens in outputs.items():
+            engine.add(PROMPTS[name], max_new_tokens=MAX_NEW, stop_token_ids=EOS, on_chunk=tokens.extend)
+        engine.run()
+        assert_same_or_near_tie(target.model, PROMPTS["len6"], outputs["len6"], reference(arch, "len6"))
+        ours = outputs["len23"]
+    else:
+        engine = SpecEngine(target, drafter, 8, tree_budget=12 if shape == "tree" else None)
+        ours = [t for chunk in engine.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=EOS) for t in chunk]
     assert_same_or_near_tie(target.model, prompt, ours, ref)
 
 

@@ -73,14 +73,14 @@ def target():
     return tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
 
 
-def dflash(target, sample_drafts, draft_vocab=None):
+def dflash(target, sample_drafts, draft_vocab=None, dtype=None):
     torch.manual_seed(1)
     config = DFlashConfig.for_target(target, num_layers=1, block_size=BLOCK, mask_token_id=VOCAB - 1)
     config.draft_vocab_size = len(draft_vocab) if draft_vocab else None
     model = DFlashDraftModel(config)
     if draft_vocab:
         model.d2t.copy_(torch.tensor(draft_vocab))
-    return DFlashDrafter(model, target, sample_drafts=sample_drafts)
+    return DFlashDrafter(model, target, sample_drafts=sample_drafts, dtype=dtype)
 
 
 @pytest.mark.parametrize(
@@ -95,11 +95,16 @@ def dflash(target, sample_drafts, draft_vocab=None):
          SamplingParams(temperature=1.0, top_k=6)),
         ("sampled drafts from an EAGLE-3 layer with a reduced vocabulary, rejection sampling",
          SamplingParams(temperature=1.0)),
+        ("sampled drafts from an EAGLE-3 layer with a reduced vocabulary in bfloat16, rejection sampling",
+         SamplingParams(temperature=1.0)),
+        ("sampled drafts from a DFlash drafter in bfloat16 (the target float32), rejection sampling",
+         SamplingParams(temperature=1.0)),
         ("hybrid of prompt lookup and sampled DFlash drafts, each step planned", SamplingParams(temperature=1.0)),
     ],
 )
 def test_output_distribution_is_the_targets(target, rule, params):
     draft_vocab = [0, 2, 3, 5, 6] if "reduced" in rule else None
+    dtype = torch.bfloat16 if "bfloat16" in rule else None  # the drafter's precision
     if "MTP" in rule:
         from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
 
@@ -123,7 +128,7 @@ def test_output_distribution_is_the_targets(target, rule, params):
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.5)
             model.d2t.copy_(torch.tensor([0, 2, 3, 5, 6]))
-        drafter = Eagle3Drafter(model, target)
+        drafter = Eagle3Drafter(model, target, dtype=dtype)
     elif "draft model" in rule:
         from blockspec.drafters.draft_model import DraftModelDrafter
 
@@ -133,7 +138,7 @@ def test_output_distribution_is_the_targets(target, rule, params):
 
         drafter = HybridDrafter(dflash(target, True))
     else:
-        drafter = dflash(target, rule.startswith("sampled"), draft_vocab)
+        drafter = dflash(target, rule.startswith("sampled"), draft_vocab, dtype)
     engine = SpecEngine(target, drafter, BLOCK, adaptive="planned" in rule)
     counts = empirical_joint(engine, params)
     probabilities = exact_joint(target, params)

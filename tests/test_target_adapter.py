@@ -98,3 +98,21 @@ def test_sdpa_own_gqa_gives_the_repeated_heads_numbers(arch, monkeypatch):
         kv.prefill(torch.arange(2, 30))
         logits[setting], _ = kv.verify([[5, 6, 7, 8, 9]], [[-1, 0, 0, 2]])
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_drafter_precision_follows_the_cpu(native_bf16, monkeypatch):
+    """`auto`: bf16 beside a float32 CPU target only where the CPU multiplies bf16 natively;
+    otherwise, and for targets in other precisions, the target's; an explicit dtype wins."""
+    from blockspec.errors import InvalidArgumentError
+    from blockspec.targets import loading
+
+    monkeypatch.setattr(loading, "cpu_has_bf16_matmul", lambda: native_bf16)
+    target = tiny_target("llama")
+    assert loading.drafter_dtype("auto", target) == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert loading.drafter_dtype("float32", target) == torch.float32
+    assert loading.drafter_dtype("bfloat16", target) == torch.bfloat16
+    target.dtype = torch.float16  # as a target loaded in fp16 says
+    assert loading.drafter_dtype("auto", target) == torch.float16
+    with pytest.raises(InvalidArgumentError, match="unknown dtype"):
+        loading.drafter_dtype("int8", target)

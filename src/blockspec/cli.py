@@ -9,7 +9,7 @@ import sys
 
 from blockspec import __version__
 from blockspec.bench.datasets import PROMPT_FORMATS
-from blockspec.defaults import DEFAULT_TREE_BUDGET
+from blockspec.defaults import DEFAULT_TREE_BUDGET, DRAFTER_DTYPES
 from blockspec.errors import BlockspecError, InvalidArgumentError
 
 
@@ -28,6 +28,12 @@ def _layer_ids(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError("expected at least one layer id")
     return ids
+
+
+def _add_drafter_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
+                        help="the precision a trained drafter computes in (auto: the target's, but bfloat16 beside a "
+                             "float32 target on a CPU with bf16 matrix units); the output is the target's either way")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verify token trees (DDTree) of at most this many drafted nodes per step, where the "
                           f"drafter gives per-position distributions (default {DEFAULT_TREE_BUDGET}; the planner "
                           "picks each step's count)")
+    _add_drafter_dtype(gen)
     gen.add_argument("--chain", action="store_true", help="draft one chain per step, not a token tree")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -170,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tree-budget", type=_positive_int, default=DEFAULT_TREE_BUDGET,
                        help="verify token trees of at most this many nodes per request and step (batched; the planner "
                             f"picks the count; default {DEFAULT_TREE_BUDGET})")
+    _add_drafter_dtype(serve)
     serve.add_argument("--chain", action="store_true", help="draft one chain per request and step instead of trees")
     serve.set_defaults(run=_serve)
 
@@ -188,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--seed", type=int, default=0)
     serving.add_argument("--tree-budget", type=_positive_int, default=DEFAULT_TREE_BUDGET,
                          help=f"as for serve (default {DEFAULT_TREE_BUDGET})")
+    _add_drafter_dtype(serving)
     serving.add_argument("--chain", action="store_true", help="as for serve: chains instead of trees")
     serving.add_argument("--output", default="runs/bench-serve")
     serving.set_defaults(run=_bench_serve)
@@ -207,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "dflash-tree, dflash-auto, dflash-b16, dflash-b8, hf-generate, hf-prompt-lookup, "
                             "hf-dflash-b16); dflash-bN for any block size N; `default` is what `blockspec generate` "
                             "does")
+    _add_drafter_dtype(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--quick", action="store_true",
                        help="T=0, at most 64 new tokens, 2 prompts per dataset; baseline, transformers generate, "
@@ -229,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     heldout.add_argument("--seed", type=int, default=1, help="which subset (the bench uses 0)")
     heldout.add_argument("--tree-budget", type=int, default=None,
                          help="verify token trees of N nodes every step (default: chains of block-size - 1 drafts)")
+    _add_drafter_dtype(heldout)
     heldout.add_argument("--threads", type=_positive_int, default=None)
     heldout.add_argument("--output", default=None, help="also write the result as JSON here")
     heldout.set_defaults(run=_eval_drafter)
@@ -250,7 +261,7 @@ def _eval_drafter(args) -> int:
     if args.tree_budget is not None and args.tree_budget < 1:
         raise InvalidArgumentError(f"tree node budget must be >= 1, got {args.tree_budget}")
     target = load_target(args.target, threads=args.threads)
-    drafter = load_drafter(args.drafter, target)
+    drafter = load_drafter(args.drafter, target, dtype=args.drafter_dtype)
     if drafter is None:
         raise BlockspecError("eval-drafter needs a drafter, not 'none'")
     result = heldout_acceptance(target, drafter, datasets=datasets, data_dir=args.data_dir, limit=args.limit,
@@ -289,7 +300,7 @@ def _generate(args) -> int:
                              tree_budget=None if args.chain else args.tree_budget,
                              device=args.device, dtype=args.dtype, threads=args.threads,
                              trust_remote_code=args.trust_remote_code, context_window=args.context_window,
-                             force_drafter=args.force_drafter)
+                             force_drafter=args.force_drafter, drafter_dtype=args.drafter_dtype)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    top_k=args.top_k, seed=args.seed, stop=args.stop, raw=args.raw)
     if args.input is not None:
@@ -350,7 +361,7 @@ def _generate_diffusion(args, params) -> int:
     drafter = "auto" if args.drafter == "hybrid" else args.drafter  # the default: diffusion needs the DFlash drafter alone
     decoder = blockspec.load(args.target, drafter, block_size=args.block_size, device=args.device, tree_budget=None,
                              dtype=args.dtype, threads=args.threads, trust_remote_code=args.trust_remote_code,
-                             force_drafter=args.force_drafter)
+                             force_drafter=args.force_drafter, drafter_dtype=args.drafter_dtype)
     diffusion = DiffusionDecoder(decoder.target, decoder.drafter, args.block_size, args.diffusion_steps,
                                  args.confidence_threshold)
     stats = DiffusionStats(diffusion.block_size)
@@ -478,7 +489,7 @@ def _serve(args) -> int:
     allowed_hosts = ("127.0.0.1", "localhost", "[::1]", "::1") if loopback else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size, threads=args.threads,
-                             tree_budget=None if args.chain else args.tree_budget)
+                             tree_budget=None if args.chain else args.tree_budget, drafter_dtype=args.drafter_dtype)
     config = ServerConfig(model_name=args.model_name or args.target, api_key=api_key, max_queue=args.max_queue,
                           request_timeout_s=args.request_timeout, max_batch=args.max_batch,
                           max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts)
@@ -506,7 +517,7 @@ def _bench_serve(args) -> int:
     if not levels or min(levels) < 1:
         raise BlockspecError("--concurrency levels must be >= 1")
     decoder = blockspec.load(args.target, args.drafter, block_size=args.block_size,
-                             tree_budget=None if args.chain else args.tree_budget)
+                             tree_budget=None if args.chain else args.tree_budget, drafter_dtype=args.drafter_dtype)
     if decoder.drafter is None:
         raise BlockspecError("bench-serve compares a drafter with the plain batched loop: pass --drafter")
     prompts = [decoder.target.encode_prompt(p.turns[0])
@@ -559,7 +570,7 @@ def _bench(args) -> int:
     if drafter == "auto":
         shipped = shipped_drafter_for(target)
         drafter = str(shipped) if shipped else None
-    methods = parse_methods(args.methods or DEFAULT_METHODS, drafter)
+    methods = parse_methods(args.methods or DEFAULT_METHODS, drafter, args.drafter_dtype)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     result = run_bench(target, methods, datasets, data_dir=args.data_dir, limit=args.limit,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
@@ -575,7 +586,8 @@ def _bench(args) -> int:
     for method in methods[1:]:
         if method.engine != "blockspec":
             continue
-        costs[method.name] = measure_costs(target, load_drafter(method.drafter, target), method.block_size,
+        costs[method.name] = measure_costs(target, load_drafter(method.drafter, target, dtype=method.drafter_dtype),
+                                           method.block_size,
                                            verify_tokens=1 + method.tree_budget if method.tree_budget else None)
     for row in rows:
         cost = costs.get(row["method"])

@@ -239,14 +239,17 @@ def _shortest_prefix_reaching(target, tokens: list[int], stops: list[str]) -> li
 def load(target: str = DEFAULT_TARGET, drafter: str | None = "hybrid", *, block_size: int | None = None,
          plan: bool = True, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
          trust_remote_code: bool = False, context_window: int | None = None,
-         force_drafter: bool = False, tree_budget: int | None = DEFAULT_TREE_BUDGET) -> SpecDecoder:
+         force_drafter: bool = False, tree_budget: int | None = DEFAULT_TREE_BUDGET,
+         drafter_dtype: str = "auto") -> SpecDecoder:
     """Load a target and a drafter. `drafter`: 'hybrid' (the shipped drafter for this target
     with prompt lookup beside it), 'auto' (the shipped drafter, else prompt lookup), 'none'
     (or None), 'prompt-lookup', or a drafter folder. `block_size`, `plan` and `tree_budget`:
-    SpecDecoder's (trees by default where the drafter can; None: chains)."""
+    SpecDecoder's (trees by default where the drafter can; None: chains). `drafter_dtype`:
+    the precision a trained drafter computes in (`auto`: `targets.loading.drafter_dtype`)."""
     target_adapter = load_target(target, device=device, dtype=dtype, threads=threads,
                                  trust_remote_code=trust_remote_code)
     options = {"context_window": context_window} if context_window else {}
+    options["dtype"] = drafter_dtype
     if force_drafter:
         options["force"] = True
     drafter_obj = load_drafter(drafter, target_adapter, **options)

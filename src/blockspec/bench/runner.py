@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from blockspec.bench.datasets import BenchPrompt, final_answer, load_prompts, same_answer
 from blockspec.bench.peers import PEER_KINDS, TransformersPeer
-from blockspec.defaults import DEFAULT_TREE_BUDGET
+from blockspec.defaults import DEFAULT_TREE_BUDGET, DRAFTER_DTYPES
 from blockspec.drafters.registry import NAMED_DRAFTERS, load_drafter
 from blockspec.errors import InvalidArgumentError
 from blockspec.pipeline import SpecDecoder
@@ -31,6 +31,7 @@ class Method:
     diffusion_steps: int = 1
     plan: bool = False  # blockspec: each step's draft length planned (block_size the most), else a full block
     tree_budget: int | None = None  # blockspec: token trees of at most this many nodes (None: chains)
+    drafter_dtype: str = "auto"  # the precision a trained drafter computes in (`targets.loading.drafter_dtype`)
 
     @property
     def lossless(self) -> bool:
@@ -38,9 +39,11 @@ class Method:
 
     def build(self, target):
         if self.engine == "blockspec":
-            return SpecDecoder(target, load_drafter(self.drafter, target), self.block_size, self.plan, self.tree_budget)
+            return SpecDecoder(target, load_drafter(self.drafter, target, dtype=self.drafter_dtype), self.block_size,
+                               self.plan, self.tree_budget)
         if self.engine == "diffusion":
-            return DiffusionRunner(target, load_drafter(self.drafter, target), self.block_size, self.diffusion_steps)
+            return DiffusionRunner(target, load_drafter(self.drafter, target, dtype=self.drafter_dtype), self.block_size,
+                                   self.diffusion_steps)
         return TransformersPeer(target, self.engine, self.drafter, self.block_size)
 
 
@@ -79,7 +82,7 @@ _DIFFUSION = re.compile(r"^diffusion-b(\d+)(?:-s(\d+))?$")
 _TREE = re.compile(r"^dflash-tree-n(\d+)$")
 
 
-def parse_methods(names: str, drafter: str | None) -> list[Method]:
+def parse_methods(names: str, drafter: str | None, drafter_dtype: str = "auto") -> list[Method]:
     """Method names -> methods; the first is the baseline. `baseline` (blockspec's plain
     loop), any drafter registered by name (e.g. `prompt-lookup`), `dflash-bN` (the DFlash
     drafter at block size N, a full block every step), `dflash-auto` (the DFlash drafter,
@@ -90,9 +93,16 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
     (the same with chains, `--chain`), the transformers peers `hf-generate`, `hf-prompt-lookup`
     and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter), the lossy
     `diffusion-bN[-sK]`, and `LABEL=FOLDER` for any other trained drafter (e.g.
-    `mtp-b4=runs/mtp/final`: an MTP head at block size 4)."""
+    `mtp-b4=runs/mtp/final`: an MTP head at block size 4). A blockspec method ending in
+    `@DTYPE` runs its trained drafter in that precision (e.g. `default@float32` beside
+    `default`); others run in `drafter_dtype`."""
     methods = []
     for name in (n.strip() for n in names.split(",") if n.strip()):
+        name, _, precision = name.partition("@")
+        if precision and precision not in DRAFTER_DTYPES:
+            raise InvalidArgumentError(f"{name}@{precision}: the drafter precision must be one of "
+                                       f"{', '.join(DRAFTER_DTYPES)}")
+        count = len(methods)
         block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
         diffusion = _DIFFUSION.match(name)
         tree = _TREE.match(name)
@@ -134,6 +144,12 @@ def parse_methods(names: str, drafter: str | None) -> list[Method]:
                      "dflash-tree-nN", *PEER_KINDS[:2], "hf-dflash-bN",
                      "diffusion-bN[-sK] (lossy)"]
             raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
+        if len(methods) > count:
+            if precision and methods[-1].engine in PEER_KINDS:
+                raise InvalidArgumentError(f"{name}@{precision}: a transformers peer runs in the target's precision")
+            methods[-1].drafter_dtype = precision or drafter_dtype
+            if precision:
+                methods[-1].name += f"@{precision}"
     if not methods or methods[0].name != "baseline":
         raise InvalidArgumentError("the first bench method must be `baseline` (the plain loop every ratio uses)")
     return methods

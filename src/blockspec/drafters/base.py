@@ -16,13 +16,15 @@ from blockspec.drafters.checkpoint import fit_problems
 from blockspec.errors import DrafterMismatchError
 
 
-def bind_to_target(model: torch.nn.Module, target) -> torch.nn.Module:
-    """The drafter's weights on the target's device and dtype, in eval mode, WITHOUT changing
-    the module given: `nn.Module.to` converts in place, so a trainer handing its fp32 model to
-    a drafter for a held-out eval on a bf16 GPU target would silently train in bf16 after it."""
+def bind_to_target(model: torch.nn.Module, target, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The drafter's weights on the target's device, in `dtype` (default: the target's), in
+    eval mode, WITHOUT changing the module given: `nn.Module.to` converts in place, so a
+    trainer handing its fp32 model to a drafter for a held-out eval on a bf16 GPU target
+    would silently train in bf16 after it."""
+    dtype = dtype or target.dtype
     parameter = next(model.parameters(), None)
-    if parameter is not None and (parameter.device != target.device or parameter.dtype != target.dtype):
-        model = copy.deepcopy(model).to(device=target.device, dtype=target.dtype)
+    if parameter is not None and (parameter.device != target.device or parameter.dtype != dtype):
+        model = copy.deepcopy(model).to(device=target.device, dtype=dtype)
     elif model.training:
         model = copy.deepcopy(model)
     return model.eval()
@@ -35,13 +37,18 @@ class TargetBoundDrafter(Drafter):
 
     kind = "drafter"  # how errors name it
 
-    def __init__(self, model, target, *, force: bool = False):
-        """`force` accepts a drafter trained for another tokenizer (the shapes must still fit)."""
+    def __init__(self, model, target, *, force: bool = False, dtype: torch.dtype | None = None):
+        """`force` accepts a drafter trained for another tokenizer (the shapes must still fit).
+        `dtype`: the precision the drafter computes in (default: the target's); its inputs
+        (the target's embeddings and features) and the borrowed head are cast to it."""
         self.check_fits(model.config, target, check_fingerprint=not force)
-        self.model = bind_to_target(model, target)
+        self.dtype = dtype or target.dtype
+        self.model = bind_to_target(model, target, self.dtype)
         self.target = target
         self.target_layer_ids = tuple(model.config.target_layer_ids)
-        self._head_weight, self._head_bias = self.model.head(target)
+        head_weight, head_bias = self.model.head(target)
+        self._head_weight = head_weight.to(self.dtype)
+        self._head_bias = None if head_bias is None else head_bias.to(self.dtype)
         self._d2t = getattr(self.model, "d2t", None)
 
     @staticmethod
@@ -54,6 +61,10 @@ class TargetBoundDrafter(Drafter):
         problems = cls.fit_problems(config, target, check_fingerprint)
         if problems:
             raise DrafterMismatchError(f"{cls.kind} does not fit the target: " + "; ".join(problems))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings of `token_ids`, in the drafter's precision."""
+        return self.target.embed(token_ids).to(self.dtype)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (the target's head, restricted)."""

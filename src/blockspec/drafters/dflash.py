@@ -233,12 +233,13 @@ class DFlashDrafter(TargetBoundDrafter):
     gives_candidates = True  # one pass gives every position's distribution: trees (DDTree)
 
     def __init__(self, model: DFlashDraftModel, target, *, context_window: int | None = None,
-                 sample_drafts: bool = False, force: bool = False):
+                 sample_drafts: bool = False, force: bool = False, dtype: torch.dtype | None = None):
         """`context_window` caps the cached context (a sliding window for long prompts);
         `sample_drafts` samples drafts from the drafter's own warped distribution at
         T > 0 (verified by rejection sampling) instead of drafting greedily; `force`
-        accepts a drafter trained for another tokenizer (the shapes must still fit)."""
-        super().__init__(model, target, force=force)
+        accepts a drafter trained for another tokenizer (the shapes must still fit); `dtype`
+        the precision it computes in (default: the target's)."""
+        super().__init__(model, target, force=force, dtype=dtype)
         self.max_block_size = model.config.block_size
         self.mask_token_id = model.config.mask_token_id
         self.context_window = context_window
@@ -250,7 +251,7 @@ class DFlashDrafter(TargetBoundDrafter):
     def _extend_context(self, features: torch.Tensor) -> None:
         n = features.shape[0]
         positions = torch.arange(self._context_len, self._context_len + n, device=features.device)[None]
-        new_kv = self.model.context_key_values(features[None].to(self.target.dtype), positions)
+        new_kv = self.model.context_key_values(features[None].to(self.dtype), positions)
         if self._context_kv:
             new_kv = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
                       for (k, v), (nk, nv) in zip(self._context_kv, new_kv)]
@@ -271,7 +272,7 @@ class DFlashDrafter(TargetBoundDrafter):
         position prediction: row k - 1 is the token AT start + k. Map ids with `to_target_ids`."""
         block = block.to(self.target.device)
         positions = torch.arange(start, start + block.numel(), device=block.device)[None]
-        hidden = self.model(self.target.embed(block)[None], positions, self._context_kv)
+        hidden = self.model(self.embed(block)[None], positions, self._context_kv)
         return self.head_logits(hidden[0, 1:])
 
     def _draft(self, logits: torch.Tensor, request: DraftRequest) -> Draft:
@@ -318,7 +319,7 @@ class DFlashDrafter(TargetBoundDrafter):
         context_kv = [(stack_padded([fork._context_kv[layer][0] for fork in forks]),
                        stack_padded([fork._context_kv[layer][1] for fork in forks]))
                       for layer in range(len(self.model.layers))]
-        hidden = self.model(self.target.embed(blocks.to(device)), positions.to(device), context_kv, allowed.to(device))
+        hidden = self.model(self.embed(blocks.to(device)), positions.to(device), context_kv, allowed.to(device))
         logits = self.head_logits(hidden[:, 1:])
         return [fork._draft(logits[row, :request.num_drafts], request)
                 for row, (fork, request) in enumerate(zip(forks, requests))]

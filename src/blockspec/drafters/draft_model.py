@@ -77,9 +77,11 @@ class DraftModelDrafter(Drafter):
 
 def load_draft_model(spec: str, target, **options) -> DraftModelDrafter:
     """`model:PATH` -> a draft model loaded like a target (hub id, folder or .gguf), on the
-    target's device and dtype."""
+    target's device, in `options['dtype']` (default: the target's dtype)."""
     from blockspec.targets.loading import load_target
 
     path = spec.removeprefix("model:")
-    draft = load_target(path, device=str(target.device), dtype=str(target.dtype).replace("torch.", ""))
+    # the threads already set for the target: load_target's default would reset them to every core
+    draft = load_target(path, device=str(target.device), dtype=options.get("dtype") or target.dtype,
+                        threads=torch.get_num_threads())
     return DraftModelDrafter(draft, target, force=options.get("force", False))

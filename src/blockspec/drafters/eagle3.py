@@ -222,8 +222,8 @@ class Eagle3Drafter(TargetBoundDrafter):
     kind = "EAGLE-3 drafter"
     gives_candidates = True  # each step's best tokens along the chain: token trees (`TokenPicker`)
 
-    def __init__(self, model: Eagle3DraftModel, target, *, force: bool = False):
-        super().__init__(model, target, force=force)
+    def __init__(self, model: Eagle3DraftModel, target, *, force: bool = False, dtype: torch.dtype | None = None):
+        super().__init__(model, target, force=force, dtype=dtype)
         self.max_block_size = model.config.block_size
         self._keys = self._values = None  # the committed positions' K/V [1, kv, m, d]
         self._unseen: list[torch.Tensor] = []  # features of committed positions not yet in the cache
@@ -278,7 +278,7 @@ class Eagle3Drafter(TargetBoundDrafter):
                 break
             if visible is not None:  # each row also sees its own new step
                 visible = torch.cat([visible, visible.new_ones(len(forks), 1)], dim=1)
-            h, k, v = self.model(self.target.embed(torch.tensor(tokens, device=device)[:, None]), h,
+            h, k, v = self.model(self.embed(torch.tensor(tokens, device=device)[:, None]), h,
                                  (anchors + step)[:, None], chain_k, chain_v,
                                  None if visible is None else visible[:, None, None, :])
             chain_k, chain_v = torch.cat([chain_k, k], dim=2), torch.cat([chain_v, v], dim=2)
@@ -286,7 +286,7 @@ class Eagle3Drafter(TargetBoundDrafter):
     def _catch_up(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Step 1: the new committed positions, each paired with the NEXT token, into the cache.
         Returns the anchor's state h [1, 1, H] and its position n."""
-        device, dtype = self.target.device, self.target.dtype
+        device, dtype = self.target.device, self.dtype
         features = torch.cat(self._unseen).to(device, dtype)
         self._unseen = []
         cached = 0 if self._keys is None else self._keys.shape[2]
@@ -295,7 +295,7 @@ class Eagle3Drafter(TargetBoundDrafter):
             raise RuntimeError(f"EAGLE-3 drafter out of step: features for {features.shape[0]} new positions, "
                                f"{n - cached} committed")
         positions = torch.arange(cached, n, device=device)[None]
-        embeds = self.target.embed(token_ids[cached + 1:n + 1].to(device))[None]
+        embeds = self.embed(token_ids[cached + 1:n + 1].to(device))[None]
         causal = torch.ones(n - cached, n, dtype=torch.bool, device=device).tril(cached)[None, None]
         h, k, v = self.model(embeds, self.model.fc(features[None]), positions, self._keys, self._values, causal)
         self._keys = k if self._keys is None else torch.cat([self._keys, k], dim=2)
@@ -303,4 +303,5 @@ class Eagle3Drafter(TargetBoundDrafter):
         return h[:, -1:], n
 
 def load_eagle3(directory, target, **options) -> Eagle3Drafter:
-    return Eagle3Drafter(Eagle3DraftModel.from_pretrained(directory), target, force=options.get("force", False))
+    return Eagle3Drafter(Eagle3DraftModel.from_pretrained(directory), target, force=options.get("force", False),
+                         dtype=options.get("dtype"))

@@ -104,15 +104,15 @@ class MTPDrafter(TargetBoundDrafter):
     kind = "MTP head"
     gives_candidates = True  # each step's best tokens along the chain: token trees (`TokenPicker`)
 
-    def __init__(self, model: MTPHeadModel, target, *, force: bool = False):
-        super().__init__(model, target, force=force)
+    def __init__(self, model: MTPHeadModel, target, *, force: bool = False, dtype: torch.dtype | None = None):
+        super().__init__(model, target, force=force, dtype=dtype)
         self._hidden: torch.Tensor | None = None
 
     def begin(self, prompt_ids, prompt_features) -> None:
-        self._hidden = prompt_features[-1]
+        self._hidden = prompt_features[-1].to(self.dtype)
 
     def accept(self, committed_ids, committed_features) -> None:
-        self._hidden = committed_features[-1]  # the last verified position: it predicted the bonus token
+        self._hidden = committed_features[-1].to(self.dtype)  # the last verified position: it predicted the bonus token
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
@@ -124,7 +124,7 @@ class MTPDrafter(TargetBoundDrafter):
         picks = [TokenPicker(request.params, request.generator, self.target.vocab_size, self._d2t, request.candidates)
                  for request in requests]
         for step in range(max(request.num_drafts for request in requests)):
-            hidden = self.model.step(hidden, self.target.embed(tokens.to(device)))
+            hidden = self.model.step(hidden, self.embed(tokens.to(device)))
             logits = self.head_logits(self.model.norm(hidden))
             tokens = torch.tensor([pick(logits[row:row + 1]) if step < requests[row].num_drafts else 0
                                    for row, pick in enumerate(picks)])
@@ -132,4 +132,5 @@ class MTPDrafter(TargetBoundDrafter):
 
 
 def load_mtp(directory, target, **options) -> MTPDrafter:
-    return MTPDrafter(MTPHeadModel.from_pretrained(directory), target, force=options.get("force", False))
+    return MTPDrafter(MTPHeadModel.from_pretrained(directory), target, force=options.get("force", False),
+                      dtype=options.get("dtype"))

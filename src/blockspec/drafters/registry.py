@@ -14,6 +14,7 @@ from blockspec.drafters.hybrid import HybridDrafter
 from blockspec.drafters.mtp import load_mtp
 from blockspec.drafters.prompt_lookup import PromptLookupDrafter
 from blockspec.errors import DrafterNotFoundError
+from blockspec.targets.loading import drafter_dtype
 
 # Training-free drafters, by name.
 NAMED_DRAFTERS: dict[str, Callable[..., Drafter]] = {
@@ -50,9 +51,12 @@ def shipped_drafter_for(target) -> Path | None:
 def load_drafter(spec: str | None, target, **options) -> Drafter | None:
     """`none` (or None), `auto` (the shipped drafter for this target, else prompt lookup),
     `hybrid` (the shipped drafter with prompt lookup beside it, each step the source that
-    scores better; `hybrid:FOLDER` with another drafter), a registered name, or a drafter folder."""
+    scores better; `hybrid:FOLDER` with another drafter), a registered name, or a drafter folder.
+    `options['dtype']`: the precision a trained drafter computes in, `auto` by default
+    (`targets.loading.drafter_dtype`)."""
     if spec is None or spec == "none":
         return None
+    options["dtype"] = drafter_dtype(options.get("dtype") or "auto", target)
     if spec == "hybrid" or spec.startswith("hybrid:"):
         model = load_drafter(spec.removeprefix("hybrid").removeprefix(":") or "auto", target, **options)
         return model if isinstance(model, PromptLookupDrafter) else HybridDrafter(model)
@@ -64,7 +68,7 @@ def load_drafter(spec: str | None, target, **options) -> Drafter | None:
     if spec.startswith("model:"):  # an independent draft model with the target's tokenizer
         from blockspec.drafters.draft_model import load_draft_model
 
-        return load_draft_model(spec, target, force=options.get("force", False))
+        return load_draft_model(spec, target, **options)
     folder = Path(spec).expanduser()
     config_path = folder / "config.json"
     if not config_path.is_file():

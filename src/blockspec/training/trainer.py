@@ -37,6 +37,7 @@ from blockspec.decoding.draft import Drafter
 from blockspec.drafters.checkpoint import fit_problems
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import compact_features, target_features
+from blockspec.targets.loading import cpu_has_bf16_matmul
 from blockspec.training.config import TrainConfig
 from blockspec.training.data import check_data_target, load_records
 
@@ -128,13 +129,6 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
         raise InvalidArgumentError(f"distill_topk must be >= 0, got {config.distill_topk}")
     if config.precision not in ("auto", "bf16", "fp32"):
         raise InvalidArgumentError(f"precision must be auto, bf16 or fp32, got {config.precision!r}")
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX512-BF16); without,
-    bf16 is converted to fp32 around every product, which costs more than it saves."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(check() for check in checks if check is not None)
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
