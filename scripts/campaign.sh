@@ -96,7 +96,9 @@ if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
 fi
 
 # (3) held-out tau of the candidate and of what is shipped now (same prompts, same settings)
-EVAL=(--data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --threads "$THREADS")
+# float32 drafters, as every round before session 13 measured (`auto` would run them in bf16 on this
+# CPU: the same tau within 0.01, session 13)
+EVAL=(--data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --threads "$THREADS" --drafter-dtype float32)
 SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
 [ -f "$C/eval/shipped-$SHIPPED_HASH.json" ] || $BS eval-drafter auto "${EVAL[@]}" --output "$C/eval/shipped-$SHIPPED_HASH.json"
 [ -f "$C/eval/train-$ROUND.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --output "$C/eval/train-$ROUND.json"

@@ -81,3 +81,7 @@ FOLDERS=$(ls -d runs/campaign/regen-*-[3-8] | sort | paste -sd, -)
     --max-new-tokens 128 --block-size 16 --threads 1 --output runs/campaign/eval/train-8-bf16.json
 python scripts/ship_drafter.py runs/campaign/train-8-bf16/final src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 \
     runs/campaign/train-8-bf16/metrics.png
+# Stage 9 (session 13): round 9 continued the bf16 arm of round 8 on rounds 3-9's data (its data
+# prepared in session 12 by `ROUND=9 DATA_ONLY=1`, the competition step by hand with the script's
+# command); training under bf16 autocast (`--precision auto` on this CPU); shipped.
+ROUND=9 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-8-bf16/final scripts/campaign.sh
