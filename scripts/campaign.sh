@@ -21,6 +21,10 @@ ROUND=${ROUND:?set ROUND=1, 2, ...}
 THREADS=${THREADS:-1}
 BUDGET_S=${BUDGET_S:-2400}
 DATA=${DATA:-../shared/data}
+# the target's precision while it writes data, and its batch (session 13: bf16 at batch 128 writes
+# 2.4x faster per CPU-second than float32 at 32; its greedy text is float32's at ~99% of positions)
+DATA_DTYPE=${DATA_DTYPE:-float32}
+DATA_BATCH=${DATA_BATCH:-32}
 BS=.venv/bin/blockspec
 C=runs/campaign
 SHIPPED=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
@@ -45,7 +49,7 @@ else
       'A class of' 'If a train' 'Mark earns' 'A bakery' 'Lisa reads' 'The price of' 'Two friends' 'A pool'
 fi
 $BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
-    --prompt-format math --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
+    --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
     --seed "$ROUND" --threads "$THREADS"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
 # rounds 3-4 had none and HumanEval coverage fell 98.5% -> 91.5%. From round 5 on, odd rounds
@@ -63,7 +67,7 @@ elif [ "$ROUND" -ge 7 ] && [ $((ROUND % 2)) = 1 ]; then
 else
   MIXED=(--synthesize 400)
 fi
-$BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size 32 \
+$BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
     --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
 # From round 7 on, also 400 competition-math questions the target writes itself (MATH-500 was the
 # weakest dataset, and no MATH train split is reachable here): each starts with an opening of the
@@ -74,7 +78,7 @@ if [ "$ROUND" -ge 7 ]; then
       'In triangle $ABC$,' 'Simplify' 'What is the smallest positive integer' 'Evaluate' 'The sum of' \
       'A right triangle' 'What is the probability that' 'Express' 'Suppose'
   $BS data --target default --output "$C/regen-competition-$ROUND" --synthesize 400 "${OPENINGS[@]}" \
-      --prompt-format math --max-new-tokens 256 --batch-size 32 --shard-size 64 --feature-layers $LAYERS \
+      --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
       --seed "$ROUND" --threads "$THREADS"
 fi
 fi

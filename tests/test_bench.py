@@ -91,8 +91,9 @@ def test_method_names_parse_into_the_registry():
         ("default", "hybrid:/drafter", True, 32), ("default-chain", "hybrid:/drafter", True, None),
         ("dflash-tree", "/drafter", True, 32), ("dflash-tree-n12", "/drafter", False, 12)]
     assert [m.name for m in parse_methods("baseline,dflash-tree,dflash-tree-n8", None)] == ["baseline"]
-    with pytest.raises(InvalidArgumentError, match="node budget"):
-        parse_methods("baseline,dflash-tree-n0", "/drafter")
+    for drafter in ("/drafter", None):  # a bad budget is an error even where the method would be skipped
+        with pytest.raises(InvalidArgumentError, match="node budget"):
+            parse_methods("baseline,dflash-tree-n0", drafter)
     with pytest.raises(InvalidArgumentError, match="unknown bench method"):
         parse_methods("baseline,medusa", None)
     with pytest.raises(InvalidArgumentError, match="first bench method"):

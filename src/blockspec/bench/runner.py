@@ -102,57 +102,56 @@ def parse_methods(names: str, drafter: str | None, drafter_dtype: str = "auto") 
         if precision and precision not in DRAFTER_DTYPES:
             raise InvalidArgumentError(f"{name}@{precision}: the drafter precision must be one of "
                                        f"{', '.join(DRAFTER_DTYPES)}")
-        count = len(methods)
-        block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
-        diffusion = _DIFFUSION.match(name)
-        tree = _TREE.match(name)
-        if "=" in name:  # LABEL=FOLDER: any trained drafter (DFlash, MTP, ...), block size from a -bN suffix
-            label, folder = name.split("=", 1)
-            suffix = label.rsplit("-b", 1)
-            methods.append(Method(label, folder, int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 8))
-        elif name == "baseline":
-            methods.append(Method(name, "none", 1))
-        elif name in ("default", "default-chain"):
-            methods.append(Method(name, "hybrid" if drafter in (None, "auto") else f"hybrid:{drafter}", 16, plan=True,
-                                  tree_budget=DEFAULT_TREE_BUDGET if name == "default" else None))
-        elif name == "dflash-auto" and drafter:
-            methods.append(Method(name, drafter, 16, plan=True))
-        elif name == "dflash-tree" and drafter:
-            methods.append(Method(name, drafter, 16, plan=True, tree_budget=DEFAULT_TREE_BUDGET))
-        elif tree and drafter:
-            if int(tree[1]) < 1:
-                raise InvalidArgumentError(f"{name}: the tree node budget must be >= 1")
-            methods.append(Method(name, drafter, 16, tree_budget=int(tree[1])))
-        elif name in ("dflash-auto", "dflash-tree") or tree:
-            continue
-        elif diffusion and drafter:  # lossy: standalone diffusion decoding with the DFlash drafter
-            methods.append(Method(name, drafter, int(diffusion[1]), engine="diffusion",
-                                  diffusion_steps=int(diffusion[2] or 1)))
-        elif diffusion:
-            continue
-        elif name in NAMED_DRAFTERS:
-            methods.append(Method(name, name, 8))
-        elif name in ("hf-generate", "hf-prompt-lookup"):
-            methods.append(Method(name, "none", 1, engine=name))
-        elif block and drafter:
-            engine = "hf-dflash" if name.startswith("hf-") else "blockspec"
-            methods.append(Method(name, drafter, block, engine=engine))
-        elif block:
-            continue  # no DFlash drafter for this target: nothing to run
-        else:
-            known = ["baseline", "default", "default-chain", *NAMED_DRAFTERS, "dflash-bN", "dflash-auto", "dflash-tree",
-                     "dflash-tree-nN", *PEER_KINDS[:2], "hf-dflash-bN",
-                     "diffusion-bN[-sK] (lossy)"]
-            raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
-        if len(methods) > count:
-            if precision and methods[-1].engine in PEER_KINDS:
-                raise InvalidArgumentError(f"{name}@{precision}: a transformers peer runs in the target's precision")
-            methods[-1].drafter_dtype = precision or drafter_dtype
-            if precision:
-                methods[-1].name += f"@{precision}"
+        method = _method(name, drafter)
+        if method is None:
+            continue  # a DFlash method, and no DFlash drafter for this target: nothing to run
+        if precision and method.engine in PEER_KINDS:
+            raise InvalidArgumentError(f"{name}@{precision}: a transformers peer runs in the target's precision")
+        method.drafter_dtype = precision or drafter_dtype
+        if precision:
+            method.name += f"@{precision}"
+        methods.append(method)
     if not methods or methods[0].name != "baseline":
         raise InvalidArgumentError("the first bench method must be `baseline` (the plain loop every ratio uses)")
     return methods
+
+
+def _method(name: str, drafter: str | None) -> Method | None:
+    """One method name (without `@DTYPE`) -> its method; None for a DFlash method when the
+    target has no DFlash drafter (`drafter` is None)."""
+    block = int(name.rsplit("-b", 1)[1]) if "dflash-b" in name and name.rsplit("-b", 1)[1].isdigit() else None
+    diffusion = _DIFFUSION.match(name)
+    tree = _TREE.match(name)
+    if "=" in name:  # LABEL=FOLDER: any trained drafter (DFlash, MTP, ...), block size from a -bN suffix
+        label, folder = name.split("=", 1)
+        suffix = label.rsplit("-b", 1)
+        return Method(label, folder, int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 8)
+    if name == "baseline":
+        return Method(name, "none", 1)
+    if name in ("default", "default-chain"):
+        return Method(name, "hybrid" if drafter in (None, "auto") else f"hybrid:{drafter}", 16, plan=True,
+                      tree_budget=DEFAULT_TREE_BUDGET if name == "default" else None)
+    if name in NAMED_DRAFTERS:
+        return Method(name, name, 8)
+    if name in ("hf-generate", "hf-prompt-lookup"):
+        return Method(name, "none", 1, engine=name)
+    if tree and int(tree[1]) < 1:
+        raise InvalidArgumentError(f"{name}: the tree node budget must be >= 1")
+    if name in ("dflash-auto", "dflash-tree") or tree or diffusion or block:
+        if not drafter:
+            return None
+        if name == "dflash-auto":
+            return Method(name, drafter, 16, plan=True)
+        if name == "dflash-tree":
+            return Method(name, drafter, 16, plan=True, tree_budget=DEFAULT_TREE_BUDGET)
+        if tree:
+            return Method(name, drafter, 16, tree_budget=int(tree[1]))
+        if diffusion:  # lossy: standalone diffusion decoding with the DFlash drafter
+            return Method(name, drafter, int(diffusion[1]), engine="diffusion", diffusion_steps=int(diffusion[2] or 1))
+        return Method(name, drafter, block, engine="hf-dflash" if name.startswith("hf-") else "blockspec")
+    known = ["baseline", "default", "default-chain", *NAMED_DRAFTERS, "dflash-bN", "dflash-auto", "dflash-tree",
+             "dflash-tree-nN", *PEER_KINDS[:2], "hf-dflash-bN", "diffusion-bN[-sK] (lossy)"]
+    raise InvalidArgumentError(f"unknown bench method {name!r}: one of {', '.join(known)}")
 
 
 @dataclass
