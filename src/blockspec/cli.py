@@ -33,7 +33,7 @@ def _layer_ids(text: str) -> list[int]:
 def _add_drafter_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-dtype", default="auto", choices=DRAFTER_DTYPES,
                         help="the precision a trained drafter computes in (auto: the target's, but bfloat16 beside a "
-                             "float32 target on a CPU with bf16 matrix units); the output is the target's either way")
+                             "float32 target on a CPU with bf16 matrix units (AMX)); the output is the target's either way")
 
 
 def build_parser() -> argparse.ArgumentParser:

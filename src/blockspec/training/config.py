@@ -77,7 +77,8 @@ class TrainConfig:
     device: str | None = None
     # what a training step computes in (the weights stay fp32 master weights, the loss fp32):
     # "bf16" = bf16 autocast, "fp32", or "auto" = bf16 on a GPU and on a CPU with bf16 matrix
-    # units (AMX / AVX512-BF16: a training-sized matmul 3-14x faster than fp32), fp32 elsewhere
+    # units (AMX: a training-sized matmul 3-14x faster than fp32), fp32 elsewhere (AVX512-BF16
+    # alone made a step 1.8x slower than fp32, session 14)
     precision: str = "auto"
 
     def resolved_gamma(self) -> float:
