@@ -116,3 +116,14 @@ def test_auto_drafter_precision_follows_the_cpu(native_bf16, monkeypatch):
     assert loading.drafter_dtype("auto", target) == torch.float16
     with pytest.raises(InvalidArgumentError, match="unknown dtype"):
         loading.drafter_dtype("int8", target)
+
+
+@pytest.mark.parametrize("amx, avx512_bf16", [(True, True), (False, True), (False, False)])
+def test_bf16_matmul_needs_amx(amx, avx512_bf16, monkeypatch):
+    """Only AMX tiles make bf16 products faster than fp32 ones on a CPU: with AVX512-BF16
+    alone (session 14's VM) they measured 1.2-1.9x slower, so `auto` must stay float32 there."""
+    from blockspec.targets import loading
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    assert loading.cpu_has_bf16_matmul() is amx
