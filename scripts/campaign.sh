@@ -12,7 +12,8 @@
 # BUDGET_S seconds of training steps on EVERY round's data so far, warm-started from the
 # shipped drafter; (3) measures held-out tau (`blockspec eval-drafter`: benchmark test prompts
 # that training never sees) and (4) ships it only when it beats the shipped drafter on both
-# domains (math+code and chat), appending the result to runs/campaign/ledger.jsonl.
+# domains (math+code and chat), appending the result to docs/campaign-ledger.jsonl (tracked: runs/
+# did not survive session 14's move to a new machine, the repository did).
 # THREADS keeps the job to part of the CPU (two torch processes at full threads thrash).
 # PRECISION (auto): `train --precision`; auto = bf16 autocast on CPUs with bf16 units (round 8's A/B).
 set -euo pipefail
@@ -61,7 +62,7 @@ if [ "$ROUND" = 1 ]; then
   MIXED=(--prompts builtin:coding_tasks --prompts builtin:everyday_questions)
 elif [ "$ROUND" = 5 ]; then
   MIXED=(--prompts builtin:coding_tasks)
-elif [ "$ROUND" -ge 7 ] && [ $((ROUND % 2)) = 1 ]; then
+elif [ "$ROUND" -ge 7 ] && [ "$ROUND" -lt 10 ] && [ $((ROUND % 2)) = 1 ]; then
   FIRST=$((400 * (ROUND - 7) / 2))
   MIXED=(--prompts "python-functions:stdlib[$FIRST:$((FIRST + 400))]" --prompt-format code)
 else
@@ -69,6 +70,18 @@ else
 fi
 $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
     --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
+# From round 10 on every round brings code AND user turns: a round may be all the data there is
+# (session 14 began on a new machine without runs/), and the draft vocabulary is rebuilt from the
+# data that is there. The standard library holds 1,086 such prompts; rounds 7 and 9 took [0:800],
+# so the slices cycle from [800:] (greedy data: a slice repeated while runs/ survives weighs code
+# more, it adds no new text).
+if [ "$ROUND" -ge 10 ]; then
+  SLICES=("800:" "0:400" "400:800")
+  $BS data --target default --output "$C/regen-code-$ROUND" \
+      --prompts "python-functions:stdlib[${SLICES[$(((ROUND - 10) % 3))]}]" --prompt-format code \
+      --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
+      --seed "$ROUND" --threads "$THREADS"
+fi
 # From round 7 on, also 400 competition-math questions the target writes itself (MATH-500 was the
 # weakest dataset, and no MATH train split is reachable here): each starts with an opening of the
 # kind MATH problems use, and gets the benchmark's boxed-answer suffix.
@@ -108,12 +121,12 @@ SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
 [ -f "$C/eval/train-$ROUND.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --output "$C/eval/train-$ROUND.json"
 
 # (4) ship only a better drafter; the ledger keeps every round's numbers
-.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" <<'EOF'
+.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 
 campaign, round_, shipped_hash, run, shipped = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
-ledger_path = campaign / "ledger.jsonl"
+ledger_path = Path(sys.argv[6])
 done = [json.loads(l) for l in ledger_path.read_text().splitlines() if l] if ledger_path.exists() else []
 if any(entry["round"] == int(round_) for entry in done):
     sys.exit(f"round {round_} is already in {ledger_path}")

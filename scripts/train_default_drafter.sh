@@ -85,3 +85,9 @@ python scripts/ship_drafter.py runs/campaign/train-8-bf16/final src/blockspec/ch
 # prepared in session 12 by `ROUND=9 DATA_ONLY=1`, the competition step by hand with the script's
 # command); training under bf16 autocast (`--precision auto` on this CPU); shipped.
 ROUND=9 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-8-bf16/final scripts/campaign.sh
+# Stage 10 (session 14, a new machine: runs/ with rounds 1-10's data was gone, so round 10
+# regenerated its own data, all four kinds, and trained on it alone from the shipped stage 9).
+# Data with two threads, the target in bf16 (slower than fp32 on this VM, which lacks AMX;
+# measured afterwards); training in fp32 (`auto` picks fp32 here since session 14); shipped.
+ROUND=10 THREADS=2 DATA_ONLY=1 DATA_DTYPE=bfloat16 DATA_BATCH=128 scripts/campaign.sh
+ROUND=10 THREADS=1 BUDGET_S=2400 SKIP_DATA=1 PRECISION=fp32 scripts/campaign.sh
