@@ -19,6 +19,7 @@ parser.add_argument("output")
 parser.add_argument("ab_dir")
 parser.add_argument("arms", nargs="+")
 parser.add_argument("--curve", default="[]", help="JSON list of [label, cpu_hours, math+code tau, chat tau]")
+parser.add_argument("--left-title", default="recipe A/B at equal CPU time", help="what the left panel's bars compare")
 args = parser.parse_args()
 
 arms = {arm: json.loads((Path(args.ab_dir) / f"{arm}.json").read_text()) for arm in args.arms
@@ -33,7 +34,7 @@ for index, (arm, result) in enumerate(arms.items()):
 left.set_xticks([i + width * (len(arms) - 1) / 2 for i in range(len(domains))], domains)
 left.set_ylabel("held-out tau (B=16, T=0)")
 left.set_ylim(1.0, None)
-left.set_title("recipe A/B at equal CPU time")
+left.set_title(args.left_title)
 left.legend(fontsize=8)
 if curve:
     hours = [point[1] for point in curve]
