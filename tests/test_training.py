@@ -311,6 +311,26 @@ def test_the_draft_vocabulary_takes_the_frequent_tokens_then_the_lowest_unseen_i
     assert draft_vocabulary(records, 2, 96).tolist() == [40, 90]
     # fewer distinct tokens than slots: the rest are the lowest unseen ids, not arbitrary ones
     assert draft_vocabulary(records, 6, 96).tolist() == [0, 1, 2, 7, 40, 90]
+    # a warm start's vocabulary fills the free slots before the unseen ids, never displaces a seen token
+    preferred = torch.tensor([50, 7, 60, 61])
+    assert draft_vocabulary(records, 5, 96, preferred).tolist() == [7, 40, 50, 60, 90]
+    assert draft_vocabulary(records, 3, 96, preferred).tolist() == [7, 40, 90]
+
+
+def test_a_warm_start_keeps_its_weights_and_fills_the_free_vocabulary_slots_with_its_own(tmp_path):
+    """--init-from: the drafter starts from the folder's weights; the draft vocabulary is built
+    from this run's data, and the slots that data leaves free go to the warm start's tokens."""
+    target = tiny_target("llama")
+    first = Trainer(small_config(tmp_path / "a", draft_vocab_size=24, epochs=2), target, DFlashMethod(),
+                    [one_record(target)])
+    first.run()
+    record = {"prompt_ids": [3, 4], "response_ids": [11, 12, 11, 13] * 5}  # 3 distinct tokens for 24 slots
+    second = Trainer(small_config(tmp_path / "b", draft_vocab_size=24, init_from=str(tmp_path / "a" / "run" / "final")),
+                     target, DFlashMethod(), [record])
+    torch.testing.assert_close(second.model.fc.weight, first.model.fc.weight)
+    vocabulary = set(second.model.d2t.tolist())
+    assert {11, 12, 13} <= vocabulary
+    assert vocabulary - {11, 12, 13} <= set(first.model.d2t.tolist())
 
 
 def test_distilling_runs_one_target_pass_per_new_batch_for_features_and_distributions(tmp_path):
