@@ -15,15 +15,17 @@
 # domains (math+code and chat), appending the result to docs/campaign-ledger.jsonl (tracked: runs/
 # did not survive session 14's move to a new machine, the repository did).
 # THREADS keeps the job to part of the CPU (two torch processes at full threads thrash).
-# PRECISION (auto): `train --precision`; auto = bf16 autocast on CPUs with bf16 units (round 8's A/B).
+# PRECISION (auto): `train --precision`; auto = bf16 autocast on CPUs with AMX (round 8's A/B), fp32
+# elsewhere (session 14: with AVX512-BF16 alone a bf16 step took 1.8x fp32's time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUND=${ROUND:?set ROUND=1, 2, ...}
 THREADS=${THREADS:-1}
 BUDGET_S=${BUDGET_S:-2400}
 DATA=${DATA:-../shared/data}
-# the target's precision while it writes data, and its batch (session 13: bf16 at batch 128 writes
-# 2.4x faster per CPU-second than float32 at 32; its greedy text is float32's at ~99% of positions)
+# the target's precision while it writes data, and its batch (session 13, AMX: bf16 at batch 128
+# writes 2.4x faster per CPU-second than float32 at 32, its greedy text float32's at ~99% of
+# positions; session 14, no AMX: bf16 0.85x float32 at batch 64)
 DATA_DTYPE=${DATA_DTYPE:-float32}
 DATA_BATCH=${DATA_BATCH:-32}
 BS=.venv/bin/blockspec
