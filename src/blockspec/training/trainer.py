@@ -169,14 +169,13 @@ class Trainer:
             raise InvalidArgumentError("no training records")
         torch.manual_seed(config.seed)
         self.model = method.build_model(config, target)
-        self._warm_vocabulary = None  # the warm start's draft vocabulary (target ids), if it has one
-        if config.init_from:
-            self._warm_start(config.init_from)
+        # the warm start's draft vocabulary (target ids), if it has one: it breaks this run's ties
+        warm_vocabulary = self._warm_start(config.init_from) if config.init_from else None
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
         if config.draft_vocab_size:
             self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size,
-                                                  preferred=self._warm_vocabulary))
+                                                  preferred=warm_vocabulary))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
         # every module and buffer on the target's device; the weights stay fp32 (master
@@ -232,7 +231,9 @@ class Trainer:
         self.output = Path(config.output)
         self.autocast = autocast_dtype(config.precision, target.device)
 
-    def _warm_start(self, folder: str) -> None:
+    def _warm_start(self, folder: str) -> torch.Tensor | None:
+        """Load `folder`'s weights into the model (not its vocabulary: this run builds its own);
+        returns that vocabulary (target ids), or None."""
         try:
             source = type(self.model).from_pretrained(folder)
         except (OSError, ValueError) as error:
@@ -242,10 +243,9 @@ class Trainer:
             if getattr(mine, field, None) != getattr(theirs, field, None):
                 raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
                                            f"{getattr(mine, field)}")
-        # the vocabulary is this run's, built from its data; the warm start's fills the slots the data leaves
-        self._warm_vocabulary = getattr(source, "d2t", None)
         state = {k: v for k, v in source.state_dict().items() if k != "d2t"}
         self.model.load_state_dict(state, strict=False)
+        return getattr(source, "d2t", None)
 
     # --- processes -------------------------------------------------------------------
     def full_model(self):
