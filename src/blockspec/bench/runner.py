@@ -377,15 +377,17 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
+        color = f"C{i % 10}"  # one colour per method in all three panels (the baseline has no line)
         got = {r["dataset"]: r for r in rows if r["method"] == method}
         xs = [d + i * width for d in range(len(datasets))]
-        axes[0].bar(xs, [got[d]["speedup_median"] if d in got else 0 for d in datasets], width, label=method)
-        axes[1].bar(xs, [got[d]["tau"] if d in got else 0 for d in datasets], width, label=method)
+        axes[0].bar(xs, [got[d]["speedup_median"] if d in got else 0 for d in datasets], width, label=method,
+                    color=color)
+        axes[1].bar(xs, [got[d]["tau"] if d in got else 0 for d in datasets], width, label=method, color=color)
         accept = [r["accept_by_pos"] for r in rows if r["method"] == method and r["accept_by_pos"]]
         if accept:  # averaged over datasets
             width_k = min(len(a) for a in accept)
             mean = [sum(a[k] for a in accept) / len(accept) for k in range(width_k)]
-            axes[2].plot(range(1, width_k + 1), mean, marker="o", label=method)
+            axes[2].plot(range(1, width_k + 1), mean, marker="o", label=method, color=color)
     for axis, title in zip(axes[:2], ["median speedup vs plain decoding (decode only)", "acceptance length tau"]):
         axis.set_xticks([d + 0.4 - width / 2 for d in range(len(datasets))], datasets)
         axis.set_title(title, fontsize=10)
