@@ -32,7 +32,7 @@ $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 1 --no-mem
     --methods baseline,default,default-chain,prompt-lookup,dflash-tree,dflash-b8,dflash-tree-n8,dflash-tree-n16,dflash-tree-n32 \
     --output runs/bench-s7
 
-# session 8 (what the README table shows): the default command, --chain and lookup on the idle machine
+# session 8: the default command, --chain and lookup on the idle machine
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,default,default-chain,prompt-lookup --output runs/bench-s8
 # held-out tau of the shipped drafter as full chains and as full 32-node trees
@@ -44,3 +44,7 @@ $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-toke
     --output runs/bench-serve-s8-chain
 $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-tokens 64 --repeats 2 --tree-budget 32 \
     --output runs/bench-serve-s8-tree
+
+# session 15 (what the README table shows now): round 10's drafter, idle, 2 threads
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --methods baseline,default,prompt-lookup,default-chain,dflash-b8 --output runs/bench-s15
