@@ -44,6 +44,9 @@ parser.add_argument("--limit", type=int, default=4)
 parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--methods", default="lookup,default")
 parser.add_argument("--output", default=None)
+parser.add_argument("--trace", action="store_true",
+                    help="print, per prompt and method, the steps by source (plain: no draft) with their mean "
+                         "verify width and accepted drafts")
 parser.add_argument("--cost-noise", type=float, default=0.0,
                     help="the planner's measured costs are the modeled ones times exp(|N(0, SIGMA)|): a busy "
                          "machine's timings, which interference only slows (the clock stays noise-free)")
@@ -126,6 +129,20 @@ def build(method: str) -> SpecDecoder:
         return verify(blocks, trees)
 
     kv.verify = modeled_verify
+    if args.trace:  # (source, drafted tokens or nodes, accepted drafts) of every step
+        commit = decoder.engine._commit
+
+        def accepted_so_far(row) -> int:
+            return sum(length * count for length, count in enumerate(row.stats.accept_hist))
+
+        def traced_commit(i, row, draft, *rest):
+            before = accepted_so_far(row)
+            commit(i, row, draft, *rest)
+            drafted = draft.tokens.numel()
+            decoder.trace.append((row.source if drafted else "plain", drafted, accepted_so_far(row) - before))
+
+        decoder.trace = []
+        decoder.engine._commit = traced_commit
     model = getattr(drafter, "model", None)  # the hybrid's model drafter: a pass costs DRAFT_S
     if model is not None:
         propose = model.propose
@@ -148,6 +165,8 @@ for dataset in datasets:
         for method in methods:
             Clock.seconds = 0.0
             messages = [{"role": "user", "content": prompt.turns[0]}] if target.has_chat_template else prompt.turns[0]
+            if args.trace:
+                decoders[method].trace.clear()
             result = decoders[method].generate(messages, max_new_tokens=args.max_new_tokens, temperature=0.0)
             outputs.append(result.token_ids)
             speedup = result.stats.new_tokens * verify_cost(1) / Clock.seconds
@@ -156,6 +175,14 @@ for dataset in datasets:
         if any(output != outputs[0] for output in outputs):
             sys.exit(f"!! outputs differ on {dataset} {prompt.prompt_id}: a lossless method is broken")
         print(f"{dataset} {prompt.prompt_id}: " + ", ".join(line), flush=True)
+        for method in methods if args.trace else []:
+            steps = decoders[method].trace
+            by_source = {}
+            for source, drafted, accepted in steps:
+                by_source.setdefault(source, []).append((drafted, accepted))
+            print(f"    {method}: " + "; ".join(
+                f"{source} {len(got)} steps, width {statistics.mean(d for d, _ in got):.1f}, "
+                f"accepted {statistics.mean(a for _, a in got):.2f}" for source, got in by_source.items()))
 
 summary = {method: {dataset: statistics.geometric_mean(values) for dataset, values in by_dataset.items()}
            for method, by_dataset in speedups.items()}
