@@ -45,7 +45,7 @@ parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--methods", default="lookup,default")
 parser.add_argument("--output", default=None)
 parser.add_argument("--trace", action="store_true",
-                    help="print, per prompt and method, the steps by source (plain: no draft) with their mean "
+                    help="print, per prompt and method, the steps by source (plain: none planned) with their mean "
                          "verify width and accepted drafts")
 parser.add_argument("--cost-noise", type=float, default=0.0,
                     help="the planner's measured costs are the modeled ones times exp(|N(0, SIGMA)|): a busy "
@@ -139,7 +139,9 @@ def build(method: str) -> SpecDecoder:
             before = accepted_so_far(row)
             commit(i, row, draft, *rest)
             drafted = draft.tokens.numel()
-            decoder.trace.append((row.source if drafted else "plain", drafted, accepted_so_far(row) - before))
+            # a source's tree cut to no node after the drafter ran: drafting paid for a plain step
+            label = row.source if drafted else "plain" if row.source is None else f"{row.source} (cut to 0)"
+            decoder.trace.append((label, drafted, accepted_so_far(row) - before))
 
         decoder.trace = []
         decoder.engine._commit = traced_commit

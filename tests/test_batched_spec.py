@@ -202,6 +202,27 @@ def test_a_tree_source_costed_out_by_one_wide_tree_is_probed_again():
     assert model.recent_tree_width(planner.decay) < 8
 
 
+def test_a_source_whose_trees_are_cut_to_nothing_stops_drafting_and_is_tried_again_later():
+    """Session 15's trace of chat prompts: the model drafted (its evidence, aged toward the pooled
+    rate, promised a gain), then its tree's own scores cut it to no node: ~60 passes of the drafter
+    per prompt paid for plain steps. A source's wasted drafting now weighs in its plan."""
+    planner = measured_planner(CPU_VERIFY, CPU_DRAFT)
+    model = evidence(0.3)  # chat-like: position 1 accepted ~0.3 of the time
+    assert planner.plan_sources([{"model": (model, 7)}])[0] == ["model"]  # worth a try
+    for _ in range(4):  # drafted, cut to nothing before the verify
+        planner.age(model)
+        planner.observe_drafting(model, wasted=True)
+    assert model.wasted_rate > 0.7
+    assert planner.plan_sources([{"model": (model, 7)}]) == ([None], [0])  # drafting it would pay for a plain step
+    plans = []
+    for _ in range(20):  # plain steps: the wasted steps fade with the rest of the evidence
+        planner.age(model)
+        plans.append(planner.plan_sources([{"model": (model, 7)}])[0][0])
+    assert plans[0] is None and plans[-1] == "model"
+    planner.observe_drafting(model, wasted=False)  # a kept draft
+    assert model.wasted_rate < 0.2
+
+
 def test_planner_tries_a_size_it_has_not_measured_then_follows_the_measurement():
     planner = measured_planner({4: 70}, {2: 5})
     rows = [(evidence(0.6), 1)] * 4

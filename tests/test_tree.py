@@ -145,6 +145,35 @@ def test_trees_accept_more_than_chains_from_the_same_candidates():
     assert chain.tree_steps == 0 and tree.tau > chain.tau
 
 
+def test_a_tree_cut_to_nothing_is_recorded_as_wasted_drafting_and_the_step_is_plain():
+    """When the planner cuts a drafted tree to no node, the drafter's pass bought a plain step:
+    the planner hears of it (it weighs the source's next plans), and the output stays greedy."""
+    from blockspec.decoding.planner import DraftPlanner
+
+    class CutEveryTree(DraftPlanner):
+        def __init__(self, max_drafts):
+            super().__init__(max_drafts)
+            self.drafting_outcomes = []
+
+        def tree_size(self, batch, gains):
+            return 0
+
+        def observe_drafting(self, evidence, wasted):
+            self.drafting_outcomes.append(wasted)
+            super().observe_drafting(evidence, wasted)
+
+    target = target_for("llama")
+    prompt, ref = PROMPTS["len6"], reference("llama", "len6")
+    planner = CutEveryTree(7)
+    engine = SpecEngine(target, TreeOracleDrafter(prompt + ref), 8, adaptive=True, planner=planner, tree_budget=10)
+    stats = GenerationStats(8)
+    out = [t for chunk in engine.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=EOS, stats=stats)
+           for t in chunk]
+    assert_same_or_near_tie(target.model, prompt, out, ref)
+    assert planner.drafting_outcomes and all(planner.drafting_outcomes)  # every drafted tree was cut
+    assert stats.tree_steps == 0 and stats.tau == 1.0
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_batched_trees_equal_greedy_decoding_alone(arch):
     target = target_for(arch)

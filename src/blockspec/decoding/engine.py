@@ -354,6 +354,8 @@ class SpecEngine:
             if drafted:
                 self.planner.observe(row.acceptance, depth, accept_length, predicted,
                                      drafted if draft.parents is not None else None)
+            if row.source is not None:  # planned to draft: did anything of it reach the verify?
+                self.planner.observe_drafting(row.acceptance, wasted=not drafted)
         self.commit_chunk(row, accepted + [bonus], logits[kept])
 
     @staticmethod

@@ -5,7 +5,9 @@ Speculative Decoding for Serving Large Language Models Using Goodput").
 Goodput of a plan = (rows + expected accepted drafts) / (verify seconds + drafting seconds).
 - Expected accepted drafts of a row drafting k tokens: sum over i <= k of P(drafts 1..i all
   accepted), from per-position acceptance rates: the row's recent evidence, aged every
-  step, over a prior, the pooled rates of every row.
+  step, over a prior, the pooled rates of every row; times the share of the source's recent
+  drafting steps that reached the verify at all (a tree cut to no node after the drafter ran
+  is a drafting pass that paid for a plain step).
 - Verify seconds: measured per verify size (query tokens over the batch, padding included:
   it is computed too), by power-of-two bucket. A verify pass costs about the same for 1 to
   8 tokens on a CPU and grows beyond, so the size of the pass, not the batch, is the key.
@@ -43,6 +45,10 @@ class AcceptanceEvidence:
     tree_predicted: float = 1.0
     tree_width: float = 0.0  # nodes of this source's recent trees (decayed mean; 0: no tree yet)
     steps_since_tree: int = 0  # steps aged since its last tree
+    # decayed steps this source drafted, and how many of them left nothing to verify (a tree cut to
+    # no node once the drafter ran: its drafting paid for a plain step)
+    drafted_steps: float = 0.0
+    wasted_steps: float = 0.0
     source: str = "model"  # the drafter's source it is about (`Drafter.next_sources`)
 
     def observe(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
@@ -59,7 +65,15 @@ class AcceptanceEvidence:
     def age(self, decay: float) -> None:
         self.hits = [decay * h for h in self.hits]
         self.trials = [decay * t for t in self.trials]
+        self.drafted_steps *= decay
+        self.wasted_steps *= decay
         self.steps_since_tree += 1
+
+    @property
+    def wasted_rate(self) -> float:
+        """P(a step this source drafts ends with nothing verified), over a prior of one step
+        that was not wasted: as the evidence fades the source is tried again."""
+        return self.wasted_steps / (self.drafted_steps + 1.0)
 
     def recent_tree_width(self, decay: float) -> float:
         """Nodes its trees are expected to have: the recent trees' width, fading (by `decay`
@@ -175,6 +189,12 @@ class DraftPlanner:
                 1 - self.decay) * nodes
             evidence.steps_since_tree = 0
 
+    def observe_drafting(self, evidence: AcceptanceEvidence, wasted: bool) -> None:
+        """The source of `evidence` drafted this step; `wasted`: nothing of it was verified (its
+        tree was cut to no node: the tree's own scores said no size pays)."""
+        evidence.drafted_steps += 1.0
+        evidence.wasted_steps += float(wasted)
+
     def tree_gains(self, evidence: AcceptanceEvidence, tree) -> list[float]:
         """E[accepted drafts] of the tree's first n nodes, n = 1..len, calibrated for the row."""
         calibration = evidence.tree_calibration
@@ -253,7 +273,10 @@ class DraftPlanner:
         for i, offer in offers.items():
             scored = []
             for order, (source, (evidence, allowed)) in enumerate(offer.items()):
-                gains = self.expected_accepted(evidence, min(self.max_drafts, allowed))
+                # a step whose drafts are thrown away before the verify (a tree cut to nothing)
+                # gains nothing: expect the gains of the steps that keep theirs
+                kept = 1.0 - evidence.wasted_rate
+                gains = [kept * gain for gain in self.expected_accepted(evidence, min(self.max_drafts, allowed))]
                 scored.append((alone(source, evidence, gains), -order, (source, evidence, allowed, gains)))
             chosen_by_row[i] = max(scored, key=lambda entry: entry[:2])[2]
         most = min(self.max_drafts, max(allowed for _, _, allowed, _ in chosen_by_row.values()))
