@@ -91,3 +91,7 @@ ROUND=9 THREADS=1 BUDGET_S=2400 INIT=runs/campaign/train-8-bf16/final scripts/ca
 # measured afterwards); training in fp32 (`auto` picks fp32 here since session 14); shipped.
 ROUND=10 THREADS=2 DATA_ONLY=1 DATA_DTYPE=bfloat16 DATA_BATCH=128 scripts/campaign.sh
 ROUND=10 THREADS=1 BUDGET_S=2400 SKIP_DATA=1 PRECISION=fp32 scripts/campaign.sh
+# Stage 11 (session 15, runs/ kept: trained on rounds 10 + 11's data from the shipped stage 10).
+# Data with two threads, the target in float32 at batch 32 (the defaults); training fp32 (`auto` here); shipped.
+ROUND=11 THREADS=2 DATA_ONLY=1 scripts/campaign.sh
+ROUND=11 THREADS=1 BUDGET_S=2400 SKIP_DATA=1 scripts/campaign.sh
