@@ -45,6 +45,10 @@ $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-toke
 $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-tokens 64 --repeats 2 --tree-budget 32 \
     --output runs/bench-serve-s8-tree
 
-# session 15 (what the README table shows now): round 10's drafter, idle, 2 threads
+# session 15: round 10's drafter, idle, 2 threads
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,default,prompt-lookup,default-chain,dflash-b8 --output runs/bench-s15
+# session 16 (what the README table shows now): round 11's drafter, the planner counting wasted
+# drafting, idle, 2 threads
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --methods baseline,default,prompt-lookup,default-chain,dflash-b8 --output runs/bench-s16
