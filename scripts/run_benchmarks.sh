@@ -52,3 +52,6 @@ $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-mem
 # drafting, idle, 2 threads
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,default,prompt-lookup,default-chain,dflash-b8 --output runs/bench-s16
+# session 16: MT-Bench again on 16 other questions (--seed 1 picks the subset)
+$BS bench --data-dir "$DATA" --datasets mt_bench --limit 16 --seed 1 --max-new-tokens 128 --threads 2 --no-memory \
+    --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s16-mt16
