@@ -71,6 +71,34 @@ def test_end_to_end_on_two_prompts_flags_an_injected_mismatch(tmp_path, monkeypa
     assert broken.mismatches and broken.mismatches[0][0] == "prompt-lookup"
 
 
+def test_repeats_keep_each_methods_run_of_median_time_and_rotate_the_order(tmp_path, monkeypatch):
+    """--repeats N: every method runs N rounds per prompt, in a rotating order; each keeps its run
+    of median time per token, so one slow run moves no ratio; a mismatch in any round is flagged."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    methods = [Method("baseline", "none", 1), Method("fast", "x", 4)]
+    monkeypatch.setattr(Method, "build", lambda self, target: self.name)
+    # per (method, prompt): the seconds of each round, one of them an outlier
+    seconds = {("baseline", "a"): [4.0, 40.0, 5.0], ("fast", "a"): [2.0, 2.5, 30.0],
+               ("baseline", "b"): [8.0, 9.0, 7.0], ("fast", "b"): [4.0, 3.0, 50.0]}
+    calls = []
+
+    def fake_run(decoder, prompt, *args):
+        calls.append((decoder, prompt.turns[0]))
+        decode_s = seconds[(decoder, prompt.turns[0])].pop(0)
+        wrong = decoder == "fast" and prompt.turns[0] == "b" and not seconds[("fast", "b")]  # its last round
+        return sample(decode_s, 11, 10, [10, 0, 0, 0], ids=((1, 3),) if wrong else ((1, 2),))
+
+    monkeypatch.setattr(runner, "run_prompt", fake_run)
+    result = run_bench(None, methods, [str(prompts)], data_dir=None, limit=None, max_new_tokens=8, repeats=3)
+    assert len(calls) == 12 and [c[0] for c in calls[:6]] == ["baseline", "fast", "fast", "baseline", "baseline", "fast"]
+    assert [s.decode_s for s in result.samples[("baseline", str(prompts))]] == [5.0, 8.0]
+    assert [s.decode_s for s in result.samples[("fast", str(prompts))]] == [2.5, 4.0]
+    rows = {r["method"]: r for r in summarize(result, methods)}
+    assert rows["fast"]["speedup_median"] == pytest.approx((5.0 / 2.5 + 8.0 / 4.0) / 2)
+    assert result.mismatches == [("fast", str(prompts), "1", 0)]
+
+
 def test_method_names_parse_into_the_registry():
     from blockspec.bench.runner import parse_methods
     from blockspec.errors import InvalidArgumentError

@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "does")
     _add_drafter_dtype(bench)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--repeats", type=_positive_int, default=1,
+                       help="rounds of every method per prompt; each keeps its run of median time per token "
+                            "(a noisy machine's slow runs then move no ratio)")
     bench.add_argument("--quick", action="store_true",
                        help="T=0, at most 64 new tokens, 2 prompts per dataset; baseline, transformers generate, "
                             "prompt lookup, blockspec DFlash (B=8) and the default command")
@@ -573,9 +576,10 @@ def _bench(args) -> int:
     methods = parse_methods(args.methods or DEFAULT_METHODS, drafter, args.drafter_dtype)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     result = run_bench(target, methods, datasets, data_dir=args.data_dir, limit=args.limit,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       repeats=args.repeats)
     meta = {"target": target.name, "drafter": drafter, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "seed": args.seed, "command": " ".join(sys.argv),
+            "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "command": " ".join(sys.argv),
             "machine": machine_description()}
     rows = summarize(result, methods)
     meta["paired"] = paired_comparisons(rows, methods)

@@ -202,7 +202,11 @@ def run_prompt(decoder: SpecDecoder, prompt: BenchPrompt, max_new_tokens: int, t
 
 
 def run_bench(target, methods: list[Method], datasets: list[str], *, data_dir: str | None, limit: int | None,
-              max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> BenchResult:
+              max_new_tokens: int, temperature: float = 0.0, seed: int = 0, repeats: int = 1) -> BenchResult:
+    """Every method on every prompt, interleaved prompt by prompt (the order rotates, so no
+    method always runs first or after the same neighbour). With `repeats` > 1 each prompt
+    runs that many rounds of every method and each method keeps its run of median time
+    per output token: one slow run on a shared machine then moves no ratio."""
     decoders = {m.name: m.build(target) for m in methods}
     lossless = {m.name: m.lossless for m in methods}
     baseline = methods[0].name
@@ -210,17 +214,34 @@ def run_bench(target, methods: list[Method], datasets: list[str], *, data_dir: s
     for dataset in datasets:
         prompts = load_prompts(dataset, data_dir, limit, seed)
         for index, prompt in enumerate(tqdm(prompts, desc=f"bench {dataset}", unit="prompt")):
-            order = methods[index % len(methods):] + methods[:index % len(methods)]
-            samples = {m.name: run_prompt(decoders[m.name], prompt, max_new_tokens, temperature, seed) for m in order}
-            for name, sample in samples.items():
-                result.samples.setdefault((name, dataset), []).append(sample)
-                if temperature == 0 and name != baseline and lossless[name]:
-                    for turn, (ours, base) in enumerate(zip(sample.token_ids, samples[baseline].token_ids)):
-                        if ours != base:
-                            result.mismatches.append((name, dataset, prompt.prompt_id, turn))
-                            print(f"!! LOSSLESSNESS VIOLATION: {name} differs from {baseline} on {dataset} "
-                                  f"prompt {prompt.prompt_id} turn {turn}")
+            runs: dict[str, list[Sample]] = {m.name: [] for m in methods}
+            for repeat in range(repeats):
+                first = (index + repeat) % len(methods)
+                order = methods[first:] + methods[:first]
+                samples = {m.name: run_prompt(decoders[m.name], prompt, max_new_tokens, temperature, seed)
+                           for m in order}
+                for name, sample in samples.items():
+                    runs[name].append(sample)
+                    if temperature == 0 and name != baseline and lossless[name]:
+                        _check_identity(result, name, baseline, dataset, prompt.prompt_id, sample, samples[baseline])
+            for name, samples in runs.items():
+                result.samples.setdefault((name, dataset), []).append(median_run(samples))
     return result
+
+
+def median_run(samples: list[Sample]) -> Sample:
+    """The run of median time per output token (of an even count, the faster middle one)."""
+    ranked = sorted(samples, key=lambda sample: sample.tpot_s)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _check_identity(result: BenchResult, name: str, baseline: str, dataset: str, prompt_id: str, sample: Sample,
+                    base: Sample) -> None:
+    for turn, (ours, theirs) in enumerate(zip(sample.token_ids, base.token_ids)):
+        if ours != theirs and (name, dataset, prompt_id, turn) not in result.mismatches:
+            result.mismatches.append((name, dataset, prompt_id, turn))
+            print(f"!! LOSSLESSNESS VIOLATION: {name} differs from {baseline} on {dataset} "
+                  f"prompt {prompt_id} turn {turn}")
 
 
 def summarize(result: BenchResult, methods: list[Method]) -> list[dict]:
