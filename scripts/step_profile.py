@@ -11,8 +11,6 @@ import cProfile
 import pstats
 import time
 
-import torch
-
 from blockspec.bench.datasets import load_prompts
 from blockspec.bench.runner import parse_methods, run_prompt
 from blockspec.targets.loading import load_target
@@ -29,7 +27,6 @@ parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--top", type=int, default=25)
 args = parser.parse_args()
 
-torch.set_num_threads(args.threads)
 target = load_target("default", threads=args.threads)
 decoders = {method.name: method.build(target) for method in parse_methods(args.methods, "auto")}
 prompts = load_prompts(args.dataset, args.data_dir, args.limit, args.seed)
