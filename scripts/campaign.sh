@@ -4,6 +4,7 @@
 #
 #   ROUND=1 THREADS=1 BUDGET_S=2400 nohup scripts/campaign.sh > runs/campaign/round-1.log 2>&1 &
 #   ROUND=2 DATA_ONLY=1 scripts/campaign.sh   # only the data of a round (e.g. the next one, in a spare thread)
+#   ROUND=2 DATA_ONLY=1 PARTS="math code" scripts/campaign.sh   # some of its parts (two 1-thread jobs split a round)
 #
 # A round: (1) regenerates a new slice of training prompts with the target (the benchmark's
 # own prompt format on the GSM8K *train* split, plus the project's coding and everyday prompts
@@ -36,6 +37,10 @@ INIT=${INIT:-$SHIPPED}
 LAYERS=1,8,15,22,27
 # add_openings ARRAY TEXT...: appends a --synthesize-opening flag per TEXT to ARRAY
 add_openings() { local -n into=$1; shift; for opening in "$@"; do into+=(--synthesize-opening "$opening"); done; }
+# PARTS: which of the round's data sets (step 1) to write; two DATA_ONLY jobs at one thread each can
+# split a round between them (each part is its own folder)
+PARTS=" ${PARTS:-math mixed code competition} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$C/eval"
 
 # (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages).
@@ -51,7 +56,7 @@ else
   add_openings MATH 'Janet' 'A store sells' 'Tom has' 'There are' 'John buys' 'A farmer' 'Each day,' 'Sarah' \
       'A class of' 'If a train' 'Mark earns' 'A bakery' 'Lisa reads' 'The price of' 'Two friends' 'A pool'
 fi
-$BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
+part math && $BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
     --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
     --seed "$ROUND" --threads "$THREADS"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
@@ -70,14 +75,14 @@ elif [ "$ROUND" -ge 7 ] && [ "$ROUND" -lt 10 ] && [ $((ROUND % 2)) = 1 ]; then
 else
   MIXED=(--synthesize 400)
 fi
-$BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
+part mixed && $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
     --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
 # From round 10 on every round brings code AND user turns: a round may be all the data there is
 # (session 14 began on a new machine without runs/), and the draft vocabulary is rebuilt from the
 # data that is there. The standard library holds 1,086 such prompts; rounds 7 and 9 took [0:800],
 # so the slices cycle from [800:] (greedy data: a slice repeated while runs/ survives weighs code
 # more, it adds no new text).
-if [ "$ROUND" -ge 10 ]; then
+if [ "$ROUND" -ge 10 ] && part code; then
   SLICES=("800:" "0:400" "400:800")
   $BS data --target default --output "$C/regen-code-$ROUND" \
       --prompts "python-functions:stdlib[${SLICES[$(((ROUND - 10) % 3))]}]" --prompt-format code \
@@ -87,7 +92,7 @@ fi
 # From round 7 on, also 400 competition-math questions the target writes itself (MATH-500 was the
 # weakest dataset, and no MATH train split is reachable here): each starts with an opening of the
 # kind MATH problems use, and gets the benchmark's boxed-answer suffix.
-if [ "$ROUND" -ge 7 ]; then
+if [ "$ROUND" -ge 7 ] && part competition; then
   OPENINGS=()
   add_openings OPENINGS 'Let $' 'Find the' 'How many' 'What is the value of' 'Compute' 'If $f(x)' 'Solve for' \
       'In triangle $ABC$,' 'Simplify' 'What is the smallest positive integer' 'Evaluate' 'The sum of' \

@@ -333,6 +333,34 @@ def test_a_warm_start_keeps_its_weights_and_fills_the_free_vocabulary_slots_with
     assert vocabulary - {11, 12, 13} <= set(first.model.d2t.tolist())
 
 
+def test_a_warm_start_grows_a_deeper_drafter_that_drafts_exactly_as_the_shallower_one(tmp_path):
+    """--init-from a 1-layer drafter into a 2-layer run: layer 0 is the folder's, the added layer
+    starts as the identity, so the drafter's hidden states are unchanged until training moves
+    them; a run with FEWER layers than the folder's is an error."""
+    target = tiny_target("llama")
+    record = one_record(target)
+    first = Trainer(small_config(tmp_path / "a", epochs=2), target, DFlashMethod(), [record])
+    first.run()
+    layer_ids = first.model.config.target_layer_ids
+    grown = Trainer(small_config(tmp_path / "b", num_layers=2, target_layer_ids=layer_ids, epochs=1,
+                                 init_from=str(tmp_path / "a" / "run" / "final")), target, DFlashMethod(), [record])
+    assert len(grown.model.layers) == 2
+    torch.testing.assert_close(grown.model.layers[0].mlp.up_proj.weight, first.model.layers[0].mlp.up_proj.weight)
+    assert grown.model.layers[1].self_attn.q_proj.weight.abs().sum() > 0  # trainable, not dead
+    hidden = first.model.config.hidden_size
+    features = torch.randn(1, 12, len(layer_ids) * hidden)
+    block = torch.randn(1, 8, hidden)
+    with torch.no_grad():
+        states = [model(block, torch.arange(12, 20)[None], model.context_key_values(features, torch.arange(12)[None]))
+                  for model in (first.model, grown.model)]
+    torch.testing.assert_close(states[0], states[1])
+    grown.run()  # training moves the added layer
+    assert grown.model.layers[1].self_attn.o_proj.weight.abs().sum() > 0
+    with pytest.raises(InvalidArgumentError, match="num_hidden_layers is 2, this run trains 1"):
+        Trainer(small_config(tmp_path / "c", target_layer_ids=layer_ids, init_from=str(tmp_path / "b" / "run" / "final")),
+                target, DFlashMethod(), [record])
+
+
 def test_distilling_runs_one_target_pass_per_new_batch_for_features_and_distributions(tmp_path):
     target = tiny_target("llama")
     records = [one_record(target, 20), {"prompt_ids": [3, 4], "response_ids": list(range(10, 30))}]

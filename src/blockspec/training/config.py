@@ -29,8 +29,9 @@ class TrainConfig:
     # Start the draft layers as copies of the target's top layers (same shapes), with fc
     # selecting the last feature layer: sample efficiency matters more than anything on a CPU.
     init_from_target: bool = True
-    # Warm start: the weights of a drafter trained before (same shape), e.g. on an earlier,
-    # smaller dataset. Its draft vocabulary is recomputed on this data (the head is frozen).
+    # Warm start: the weights of a drafter trained before (same shape, or fewer layers: the
+    # added ones start as the identity), e.g. on an earlier, smaller dataset. Its draft
+    # vocabulary is recomputed on this data (the head is frozen).
     init_from: str | None = None
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step

@@ -233,18 +233,29 @@ class Trainer:
 
     def _warm_start(self, folder: str) -> torch.Tensor | None:
         """Load `folder`'s weights into the model (not its vocabulary: this run builds its own);
-        returns that vocabulary (target ids), or None."""
+        returns that vocabulary (target ids), or None.
+
+        A model with more layers than the folder's grows from it: the folder's layers come
+        first and every added layer starts as the identity (its attention and MLP output
+        projections zeroed, as LLaMA Pro's block expansion does), so the grown drafter drafts
+        exactly what the warm start did until training moves it."""
         try:
             source = type(self.model).from_pretrained(folder)
         except (OSError, ValueError) as error:
             raise InvalidArgumentError(f"init_from {folder}: {error}") from None
         mine, theirs = self.model.config, source.config
         for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "target_layer_ids"):
-            if getattr(mine, field, None) != getattr(theirs, field, None):
+            grows = (field == "num_hidden_layers" and hasattr(self.model, "layers")
+                     and getattr(mine, field) > getattr(theirs, field))
+            if getattr(mine, field, None) != getattr(theirs, field, None) and not grows:
                 raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
                                            f"{getattr(mine, field)}")
         state = {k: v for k, v in source.state_dict().items() if k != "d2t"}
         self.model.load_state_dict(state, strict=False)
+        for layer in list(self.model.layers)[theirs.num_hidden_layers:] if hasattr(self.model, "layers") else []:
+            for name, weight in layer.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    torch.nn.init.zeros_(weight)
         return getattr(source, "d2t", None)
 
     # --- processes -------------------------------------------------------------------
