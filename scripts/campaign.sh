@@ -39,7 +39,7 @@ LAYERS=1,8,15,22,27
 add_openings() { local -n into=$1; shift; for opening in "$@"; do into+=(--synthesize-opening "$opening"); done; }
 # PARTS: which of the round's data sets (step 1) to write; two DATA_ONLY jobs at one thread each can
 # split a round between them (each part is its own folder)
-PARTS=" ${PARTS:-math mixed code competition} "
+PARTS=" ${PARTS:-math mixed followup code competition} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$C/eval"
 
@@ -77,6 +77,14 @@ else
 fi
 part mixed && $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
     --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
+# From round 13 on, second turns: 200 of the round's user-turn conversations continued by a next
+# user turn the target writes, the answer regenerated (MT-Bench asks its second turn after the
+# model's own first answer; no round before had multi-turn data). Needs the round's mixed data.
+if [ "$ROUND" -ge 13 ] && part followup; then
+  $BS data --target default --output "$C/regen-followup-$ROUND" --follow-up "$C/regen-mixed-$ROUND[0:200]" \
+      --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
+      --seed "$ROUND" --threads "$THREADS"
+fi
 # From round 10 on every round brings code AND user turns: a round may be all the data there is
 # (session 14 began on a new machine without runs/), and the draft vocabulary is rebuilt from the
 # data that is there. The standard library holds 1,086 such prompts; rounds 7 and 9 took [0:800],

@@ -217,6 +217,34 @@ def test_synthesized_prompts_start_with_the_openings_and_take_the_suffix(target,
                                          synthesize_openings=openings))
 
 
+def test_follow_ups_continue_a_folders_conversations_with_a_turn_the_target_writes(target, tmp_path):
+    """--follow-up: each finished conversation of a folder (its prompt, the target's response)
+    gets a next user turn the target writes; the record's prompt is the whole conversation."""
+    import json
+
+    from blockspec.training.data import DataConfig, build_dataset
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    build_dataset(target, DataConfig(output=str(first), prompts=["builtin:everyday_questions[:3]"], max_new_tokens=6,
+                                     batch_size=3, shard_size=2))
+    first_prompts = [json.loads(line)["prompt"] for line in (first / "prompts.jsonl").read_text().splitlines()]
+    first_records = [json.loads(line) for shard in ("shard-00000.jsonl", "shard-00001.jsonl")
+                     for line in (first / shard).read_text().splitlines()]
+    build_dataset(target, DataConfig(output=str(second), follow_ups=f"{first}[1:]", max_new_tokens=4, batch_size=2))
+    prompts = [json.loads(line)["prompt"] for line in (second / "prompts.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (second / "shard-00000.jsonl").read_text().splitlines()]
+    continued = {(p[0]["content"], p[1]["content"]) for p in prompts}
+    assert continued == {(p, target.decode(r["response_ids"]).strip()) for p, r in zip(first_prompts[1:], first_records[1:])}
+    for conversation, record in zip(prompts, records):
+        assert [m["role"] for m in conversation] == ["user", "assistant", "user"]
+        assert len(conversation[2]["content"]) >= 8
+        assert record["prompt_ids"] == target.encode_prompt(conversation) and 0 < len(record["response_ids"]) <= 4
+    with pytest.raises(blockspec.InvalidArgumentError, match="not a folder written by `blockspec data`"):
+        build_dataset(target, DataConfig(output=str(tmp_path / "third"), follow_ups=str(tmp_path)))
+    with pytest.raises(blockspec.InvalidArgumentError, match="no finished conversations"):
+        build_dataset(target, DataConfig(output=str(tmp_path / "fourth"), follow_ups=f"{first}[5:]"))
+
+
 def test_data_stores_features_that_training_reads_instead_of_running_the_target(target, tmp_path):
     from blockspec.training.config import TrainConfig
     from blockspec.training.data import DataConfig, build_dataset, load_records

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--synthesize-opening", action="append", default=None, metavar="TEXT",
                       help="synthesized prompts start with these words (repeatable, used in turn), e.g. 'Let $' "
                            "or 'How many' for math questions")
+    data.add_argument("--follow-up", default=None, metavar="FOLDER",
+                      help="a data folder this target wrote (FOLDER or FOLDER[start:stop]): continue each of its "
+                           "conversations with a user turn the target writes, and regenerate the answer "
+                           "(multi-turn data, like MT-Bench's second turns)")
     data.add_argument("--max-new-tokens", type=_positive_int, default=256)
     data.add_argument("--temperature", type=float, default=0.0)
     data.add_argument("--batch-size", type=_positive_int, default=64)
@@ -419,6 +423,7 @@ def _data(args) -> int:
         prefix, suffix = PROMPT_FORMATS[args.prompt_format]
     config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
                         synthesize=args.synthesize, synthesize_openings=args.synthesize_opening,
+                        follow_ups=args.follow_up,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
                         seed=args.seed, feature_layers=args.feature_layers,

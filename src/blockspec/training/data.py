@@ -8,7 +8,9 @@ by the project, no benchmark text), HumanEval-style signatures mined from Python
 (`python-functions:stdlib` or `python-functions:DIR`, see `code_prompts`), each optionally
 sliced as `SOURCE[start:stop]`;
 or they are self-synthesized: the instruct target writes user turns itself from its
-own chat template. Responses come from the lean batched decoder
+own chat template; or they are follow-ups (`follow_ups`): the conversations of a folder
+written before (its prompts and the target's responses), each continued by a next user turn
+the target writes, as MT-Bench's second turns follow the model's own first answer. Responses come from the lean batched decoder
 (`blockspec.training.regenerate`). Output: a folder of shards `shard-NNNNN.jsonl` (one
 record per prompt: `prompt_ids`, `response_ids`) and, with `feature_layers`, the
 target's fp16 features of every record beside it (`shard-NNNNN.features.safetensors`,
@@ -58,6 +60,11 @@ class DataConfig:
     shard_size: int = 128
     seed: int = 0
     feature_layers: list[int] | None = None  # store these target layers' features (fp16) for training
+    # A data folder this target wrote (`FOLDER` or `FOLDER[start:stop]`, over its finished
+    # conversations): each conversation gets a next user turn the target writes after it, and
+    # the response to that turn is regenerated (multi-turn data: the drafter learns to draft
+    # after a long context of its own earlier answer, as in MT-Bench's second turns)
+    follow_ups: str | None = None
     # wrap every text prompt (not chat messages; synthesized ones too) as a benchmark formats its
     # own, e.g. the math suffix "Please reason step by step ... \\boxed{}" on GSM8K *train* questions
     prompt_prefix: str = ""
@@ -73,13 +80,19 @@ class DataConfig:
     dtype: str = "float32"
 
 
+def split_slice(spec: str) -> tuple[str, int, int | None]:
+    """`SOURCE[start:stop]` -> (SOURCE, start, stop); a plain `SOURCE` -> (SOURCE, 0, None)."""
+    match = _SLICE.match(spec)
+    if not match:
+        return spec, 0, None
+    return match["source"], int(match["start"] or 0), int(match["stop"]) if match["stop"] else None
+
+
 def read_sources(sources: list[str], split: str = "train", limit: int | None = None) -> list:
     """Prompts of several sources, each `SOURCE` or `SOURCE[start:stop]`, in order."""
     prompts: list = []
     for spec in sources:
-        match = _SLICE.match(spec)
-        source, start, stop = (match["source"], int(match["start"] or 0), int(match["stop"]) if match["stop"] else None) \
-            if match else (spec, 0, None)
+        source, start, stop = split_slice(spec)
         if source.startswith("builtin:"):
             name = source.removeprefix("builtin:")
             path = BUILTIN_PROMPTS / f"{name}.jsonl"
@@ -142,37 +155,78 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def synthesize_prompts(target, count: int, seed: int, batch_size: int = 16, max_new_tokens: int = 64,
-                       openings: list[str] | None = None) -> list[str]:
+                       openings: list[str] | None = None, histories: list[list[dict]] | None = None) -> list:
     """Let an instruct target write user turns: sample after its own `user` header (and after
-    one of `openings`, in turn, when given: the turn then starts with it)."""
+    one of `openings`, in turn, when given: the turn then starts with it). With `histories`
+    (one conversation per prompt, `count` ignored), the header follows that conversation and
+    each prompt is the conversation with the written turn appended (chat messages)."""
     if not target.has_chat_template:
         raise InvalidArgumentError("self-synthesized prompts need a target with a chat template; pass --prompts")
     marker = "\u2063BLOCKSPEC\u2063"
-    text = target.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    header = target.tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+    def header(history: list[dict]) -> list[int]:
+        text = target.tokenizer.apply_chat_template(history + [{"role": "user", "content": marker}], tokenize=False)
+        return target.tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+    total = len(histories) if histories is not None else count
+    headers = [header(history) for history in histories] if histories is not None else [header([])] * count
     starts = [target.tokenizer(o, add_special_tokens=False)["input_ids"] for o in openings or [""]]
     torch.manual_seed(seed)
-    prompts: list[str] = []
-    with tqdm(total=count, desc="synthesizing prompts", unit="prompt") as bar:
-        while len(prompts) < count:
-            chosen = [starts[(len(prompts) + i) % len(starts)] for i in range(min(batch_size, count - len(prompts)))]
-            batch = [header + start for start in chosen]
-            for start, ids in zip(chosen, generate_batch(target.model, batch, max_new_tokens, target.eos_token_ids,
-                                                         temperature=1.0)):
+    prompts: list = []
+    position, tries = 0, 0  # with histories: the next conversation to continue, and its failed tries
+    with tqdm(total=total, desc="synthesizing prompts", unit="prompt") as bar:
+        while (position if histories is not None else len(prompts)) < total:
+            first = position if histories is not None else len(prompts)
+            todo = range(first, min(first + batch_size, total))
+            chosen = [starts[i % len(starts)] for i in todo]
+            written = generate_batch(target.model, [headers[i] + start for i, start in zip(todo, chosen)],
+                                     max_new_tokens, target.eos_token_ids, temperature=1.0)
+            for i, start, ids in zip(todo, chosen, written):
                 prompt = target.decode(start + ids).strip()  # decoded together: no space lost at the seam
-                if len(prompt) >= 8 + len(target.decode(start)):
-                    prompts.append(prompt)
-                    bar.update(1)
-    return prompts[:count]
+                too_short = len(prompt) < 8 + len(target.decode(start))
+                if histories is None:  # another prompt is drawn in its place
+                    if not too_short:
+                        prompts.append(prompt)
+                        bar.update(1)
+                    continue
+                if too_short and tries < 3:  # this conversation's turn (and the rest of the batch) is written again
+                    tries += 1
+                    break
+                if not too_short:  # three short turns in a row: the conversation is left out
+                    prompts.append(histories[i] + [{"role": "user", "content": prompt}])
+                position, tries = position + 1, 0
+                bar.update(1)
+    return prompts
+
+
+def conversations(spec: str, target) -> list[list[dict]]:
+    """The conversations of a data folder this target wrote (`FOLDER` or `FOLDER[start:stop]`,
+    over its finished shards, in order): each prompt's turns and the target's response."""
+    folder, start, stop = split_slice(spec)
+    folder = Path(folder)
+    if not (folder / "prompts.jsonl").is_file() or not (folder / "meta.json").is_file():
+        raise InvalidArgumentError(f"--follow-up {spec}: not a folder written by `blockspec data` (no prompts.jsonl)")
+    check_data_target(folder, target)
+    shard_size = json.loads((folder / "meta.json").read_text())["config"]["shard_size"]
+    prompts = [row["prompt"] for row in _read_jsonl(folder / "prompts.jsonl")]
+    found = []
+    for shard in sorted(folder.glob("shard-*.jsonl")):  # shard i holds prompts i*size.. in order
+        first = int(shard.stem.removeprefix("shard-")) * shard_size
+        for offset, record in enumerate(_read_jsonl(shard)):
+            prompt = prompts[first + offset]
+            turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            found.append(turns + [{"role": "assistant", "content": target.decode(record["response_ids"]).strip()}])
+    chosen = found[start:stop]
+    if not chosen:
+        raise InvalidArgumentError(f"--follow-up {spec}: no finished conversations in this folder (or slice)")
+    return chosen
 
 
 def read_pairs(sources: list[str], limit: int | None = None) -> list[tuple[str, str]]:
     """(prompt, response) pairs of JSONL sources that hold both (`SOURCE[start:stop]` slices too)."""
     pairs = []
     for spec in sources:
-        match = _SLICE.match(spec)
-        source, start, stop = (match["source"], int(match["start"] or 0), int(match["stop"]) if match["stop"] else None) \
-            if match else (spec, 0, None)
+        source, start, stop = split_slice(spec)
         path = Path(source).expanduser()
         if not path.is_file():
             raise InvalidArgumentError(f"--from-text reads JSONL files with a prompt and a response field: {source!r} "
@@ -197,8 +251,8 @@ def build_text_dataset(target, config: DataConfig) -> Path:
     if config.feature_layers is not None:
         raise InvalidArgumentError("--from-text stores no features (training computes them with the target's "
                                    "distribution, in one pass): drop --feature-layers")
-    if config.synthesize:
-        raise InvalidArgumentError("--from-text takes existing text; --synthesize needs regeneration")
+    if config.synthesize or config.follow_ups:
+        raise InvalidArgumentError("--from-text takes existing text; --synthesize and --follow-up need regeneration")
     output = Path(config.output)
     output.mkdir(parents=True, exist_ok=True)
     check_data_target(output, target)
@@ -229,7 +283,7 @@ def build_dataset(target, config: DataConfig) -> Path:
         return build_text_dataset(target, config)
     if config.temperature < 0:
         raise InvalidArgumentError(f"temperature must be >= 0, got {config.temperature}")
-    if config.synthesize_openings and not config.synthesize:
+    if config.synthesize_openings and not (config.synthesize or config.follow_ups):
         raise InvalidArgumentError("--synthesize-opening steers synthesized prompts: pass --synthesize N too")
     if config.feature_layers is not None:
         bad = [i for i in config.feature_layers if not 0 <= i < target.num_layers]
@@ -256,8 +310,11 @@ def build_dataset(target, config: DataConfig) -> Path:
                                           openings=config.synthesize_openings)
         if config.prompt_prefix or config.prompt_suffix:
             prompts = [config.prompt_prefix + p + config.prompt_suffix if isinstance(p, str) else p for p in prompts]
+        if config.follow_ups:  # the written turns are chat messages: no prefix or suffix
+            prompts += synthesize_prompts(target, 0, config.seed, config.batch_size, openings=config.synthesize_openings,
+                                          histories=conversations(config.follow_ups, target))
         if not prompts:
-            raise InvalidArgumentError("no prompts: pass --prompts or --synthesize N")
+            raise InvalidArgumentError("no prompts: pass --prompts, --synthesize N or --follow-up FOLDER")
         random.Random(config.seed).shuffle(prompts)
         # meta.json first: prompts.jsonl is what marks a started run, so it must come last
         write_text(output / "meta.json", json.dumps({"config": asdict(config), "target": target.fingerprint()}, indent=2))
