@@ -41,6 +41,11 @@ add_openings() { local -n into=$1; shift; for opening in "$@"; do into+=(--synth
 # split a round between them (each part is its own folder)
 PARTS=" ${PARTS:-math mixed followup code competition} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
+# From round 14 on, the data also keeps the target's top-8 distribution at every response token (a
+# few bytes per token): a round can then train on it with DISTILL=8 (logit distillation, no extra
+# target pass). Rounds before kept none, and a folder resumes only as it was started.
+TOPK=()
+[ "$ROUND" -ge 14 ] && TOPK=(--store-topk 8)
 mkdir -p "$C/eval"
 
 # (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages).
@@ -57,7 +62,7 @@ else
       'A class of' 'If a train' 'Mark earns' 'A bakery' 'Lisa reads' 'The price of' 'Two friends' 'A pool'
 fi
 part math && $BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
-    --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
+    --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
     --seed "$ROUND" --threads "$THREADS"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
 # rounds 3-4 had none and HumanEval coverage fell 98.5% -> 91.5%. From round 5 on, odd rounds
@@ -76,13 +81,13 @@ else
   MIXED=(--synthesize 400)
 fi
 part mixed && $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
-    --shard-size 64 --feature-layers $LAYERS --seed "$ROUND" --threads "$THREADS"
+    --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" --seed "$ROUND" --threads "$THREADS"
 # From round 13 on, second turns: 200 of the round's user-turn conversations continued by a next
 # user turn the target writes, the answer regenerated (MT-Bench asks its second turn after the
 # model's own first answer; no round before had multi-turn data). Needs the round's mixed data.
 if [ "$ROUND" -ge 13 ] && part followup; then
   $BS data --target default --output "$C/regen-followup-$ROUND" --follow-up "$C/regen-mixed-$ROUND[0:200]" \
-      --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
+      --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
 fi
 # From round 10 on every round brings code AND user turns: a round may be all the data there is
@@ -94,7 +99,7 @@ if [ "$ROUND" -ge 10 ] && part code; then
   SLICES=("800:" "0:400" "400:800")
   $BS data --target default --output "$C/regen-code-$ROUND" \
       --prompts "python-functions:stdlib[${SLICES[$(((ROUND - 10) % 3))]}]" --prompt-format code \
-      --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
+      --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
 fi
 # From round 7 on, also 400 competition-math questions the target writes itself (MATH-500 was the
@@ -106,7 +111,7 @@ if [ "$ROUND" -ge 7 ] && part competition; then
       'In triangle $ABC$,' 'Simplify' 'What is the smallest positive integer' 'Evaluate' 'The sum of' \
       'A right triangle' 'What is the probability that' 'Express' 'Suppose'
   $BS data --target default --output "$C/regen-competition-$ROUND" --synthesize 400 "${OPENINGS[@]}" \
-      --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS \
+      --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
 fi
 fi
@@ -123,7 +128,7 @@ if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
   $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$INIT" \
       --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size 8192 \
       --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
-      --loss-weighting ${WEIGHTING:-decay} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
+      --loss-weighting ${WEIGHTING:-decay} --distill-topk ${DISTILL:-0} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
       --precision "${PRECISION:-auto}"
 fi
 

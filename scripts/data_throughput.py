@@ -34,7 +34,7 @@ layers = [1, 8, 15, 22, 27]
 
 
 def regenerate() -> int:
-    responses, _ = generate_batch(target.model, prompts, args.new_tokens, (), feature_layers=layers)
+    responses, _, _ = generate_batch(target.model, prompts, args.new_tokens, (), feature_layers=layers)
     return sum(len(r) for r in responses)
 
 

@@ -47,7 +47,8 @@ def test_rows_end_at_their_own_eos():
 def test_features_are_the_target_hidden_states_of_every_token_it_ran():
     model = tiny_model("qwen3")
     layers = [0, 2, 3]
-    responses, features = generate_batch(model, PROMPTS, 10, (1,), feature_layers=layers)
+    responses, features, top = generate_batch(model, PROMPTS, 10, (1,), feature_layers=layers)
+    assert top is None
     for prompt, response, stored in zip(PROMPTS, responses, features):
         with torch.inference_mode():
             out = model(torch.tensor([prompt + response]), output_hidden_states=True)
@@ -55,6 +56,19 @@ def test_features_are_the_target_hidden_states_of_every_token_it_ran():
         assert stored.dtype == torch.float16
         assert stored.shape == reference.shape  # the last token was never fed back
         torch.testing.assert_close(stored.float(), reference, atol=2e-2, rtol=1e-2)
+
+
+def test_top_k_is_the_distribution_each_response_token_was_chosen_from():
+    model = tiny_model("llama")
+    responses, features, top = generate_batch(model, PROMPTS, 10, (1,), top_k=4)
+    assert features is None
+    for prompt, response, (ids, probs) in zip(PROMPTS, responses, top):
+        assert ids.dtype == torch.int32 and probs.dtype == torch.float16 and ids.shape == (len(response), 4)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        reference = torch.softmax(logits.float(), dim=-1).topk(4, dim=-1)
+        torch.testing.assert_close(probs.float(), reference.values, atol=2e-3, rtol=1e-2)
+        assert ids[:, 0].tolist() == response  # greedy: each token is its distribution's top
 
 
 def test_sampling_is_seeded():

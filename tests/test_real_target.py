@@ -253,16 +253,39 @@ def test_data_stores_features_that_training_reads_instead_of_running_the_target(
 
     layers = [1, 8, 15, 22, 27]
     config = DataConfig(output=str(tmp_path / "data"), prompts=["builtin:everyday_questions[:3]"], max_new_tokens=12,
-                        batch_size=2, shard_size=2, feature_layers=layers)
+                        batch_size=2, shard_size=2, feature_layers=layers, store_topk=8)
     build_dataset(target, config)
     (tmp_path / "data" / "shard-00001.jsonl").unlink()  # as if killed before the last shard
     build_dataset(target, config)  # resumes: regenerates only that shard
     records = load_records(tmp_path / "data")
     assert len(records) == 3 and all(r["features_ref"][2] == tuple(layers) for r in records)
+    assert all(r["topk_ref"][2] == 8 for r in records)
     with pytest.raises(blockspec.InvalidArgumentError, match="feature_layers"):
         build_dataset(target, DataConfig(output=str(tmp_path / "data"), prompts=config.prompts, max_new_tokens=12))
-    trainer = Trainer(TrainConfig(num_layers=1, target_layer_ids=layers, holdout=0), target, DFlashMethod(),
-                      records)
+    with pytest.raises(blockspec.InvalidArgumentError, match="store_topk"):
+        build_dataset(target, DataConfig(output=str(tmp_path / "data"), prompts=config.prompts, max_new_tokens=12,
+                                         feature_layers=layers))
+    trainer = Trainer(TrainConfig(num_layers=1, target_layer_ids=layers, holdout=0, distill_topk=4), target,
+                      DFlashMethod(), records)
+    # the stored distributions are the ones a target pass computes, at every response token's row
+    forward, calls = target.model.forward, []
+    target.model.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    try:
+        stored_top = trainer._target_top(list(range(3)))
+    finally:
+        target.model.forward = forward
+    assert not calls  # read, not computed
+    trainer._top.clear()
+    refs = [record.pop("topk_ref") for record in trainer.train_records]
+    computed_top = trainer._target_top(list(range(3)))
+    for index, ((ids, probs), (ids2, probs2)) in enumerate(zip(stored_top, computed_top)):
+        sequence, prompt_len = trainer.sequence(index)
+        rows = slice(prompt_len - 1, sequence.numel() - 1)
+        assert ids.shape == ids2.shape == (sequence.numel(), 4)
+        assert torch.equal(ids[rows, 0], ids2[rows, 0]) and torch.equal(ids[rows, 0].long(), sequence[prompt_len:])
+        torch.testing.assert_close(probs[rows].float(), probs2[rows].float(), atol=2e-2, rtol=0)
+    for record, ref in zip(trainer.train_records, refs):
+        record["topk_ref"] = ref
     stored = trainer.features(list(range(3)))
     assert not trainer._features  # stored features are read again when needed, never held (they outgrow RAM)
     for record in trainer.train_records:

@@ -65,7 +65,7 @@ def test_regenerated_features_switch_to_bf16_when_fp16_would_overflow():
     model = tiny_model("llama")
     with torch.no_grad():  # blow up one decoder layer's output scale
         model.model.layers[1].mlp.down_proj.weight.mul_(1e6)
-    responses, features = generate_batch(model, [[3, 4, 5]], 4, (-1,), feature_layers=[1, 2])
+    responses, features, _ = generate_batch(model, [[3, 4, 5]], 4, (-1,), feature_layers=[1, 2])
     assert features[0].dtype == torch.bfloat16 and bool(torch.isfinite(features[0]).all())
 
 

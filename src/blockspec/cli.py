@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--feature-layers", type=_layer_ids, default=None, metavar="IDS",
                       help="also store these target layers' features (fp16), e.g. 1,8,15,22,27: training then "
                            "skips the target pass (use the drafter's target_layer_ids)")
+    data.add_argument("--store-topk", type=int, default=0, metavar="K",
+                      help="also store the target's top-K next-token distribution at every response position "
+                           "(train with --distill-topk <= K: the target's distribution, no second target pass)")
     data.add_argument("--prompt-prefix", default="", help="text put before every text prompt (of --prompts "
                       "and --synthesize)")
     data.add_argument("--prompt-suffix", default="", help="text put after every text prompt (of --prompts and "
@@ -423,7 +426,7 @@ def _data(args) -> int:
         prefix, suffix = PROMPT_FORMATS[args.prompt_format]
     config = DataConfig(output=args.output, prompts=args.prompts, split=args.split, limit=args.limit,
                         synthesize=args.synthesize, synthesize_openings=args.synthesize_opening,
-                        follow_ups=args.follow_up,
+                        follow_ups=args.follow_up, store_topk=args.store_topk,
                         max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, batch_size=args.batch_size, shard_size=args.shard_size,
                         seed=args.seed, feature_layers=args.feature_layers,

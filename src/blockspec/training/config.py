@@ -45,7 +45,8 @@ class TrainConfig:
     random_mask: bool = False
     # 0: learn the target's tokens (hard labels). K: learn the target's whole next-token
     # distribution over its top K (soft labels, renormalised over the ids the draft
-    # vocabulary holds), from one target pass per training sequence, cached across epochs.
+    # vocabulary holds): read where `blockspec data --store-topk K'` (K' >= K) stored it, else
+    # from one target pass per training sequence, cached across epochs.
     distill_topk: int = 0
     max_length: int = 1024
     batch_size: int = 4

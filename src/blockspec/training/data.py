@@ -65,6 +65,10 @@ class DataConfig:
     # the response to that turn is regenerated (multi-turn data: the drafter learns to draft
     # after a long context of its own earlier answer, as in MT-Bench's second turns)
     follow_ups: str | None = None
+    # Also store the target's top-K next-token distribution at every response position (the one
+    # each token was chosen from; a few bytes per token beside ~6 KB of features): training
+    # with --distill-topk <= K then learns the target's distribution with no target pass
+    store_topk: int = 0
     # wrap every text prompt (not chat messages; synthesized ones too) as a benchmark formats its
     # own, e.g. the math suffix "Please reason step by step ... \\boxed{}" on GSM8K *train* questions
     prompt_prefix: str = ""
@@ -251,8 +255,9 @@ def build_text_dataset(target, config: DataConfig) -> Path:
     if config.feature_layers is not None:
         raise InvalidArgumentError("--from-text stores no features (training computes them with the target's "
                                    "distribution, in one pass): drop --feature-layers")
-    if config.synthesize or config.follow_ups:
-        raise InvalidArgumentError("--from-text takes existing text; --synthesize and --follow-up need regeneration")
+    if config.synthesize or config.follow_ups or config.store_topk:
+        raise InvalidArgumentError("--from-text takes existing text; --synthesize, --follow-up and --store-topk need "
+                                   "regeneration (training computes the distributions with --distill-topk)")
     output = Path(config.output)
     output.mkdir(parents=True, exist_ok=True)
     check_data_target(output, target)
@@ -283,6 +288,8 @@ def build_dataset(target, config: DataConfig) -> Path:
         return build_text_dataset(target, config)
     if config.temperature < 0:
         raise InvalidArgumentError(f"temperature must be >= 0, got {config.temperature}")
+    if config.store_topk < 0:
+        raise InvalidArgumentError(f"store_topk must be >= 0, got {config.store_topk}")
     if config.synthesize_openings and not (config.synthesize or config.follow_ups):
         raise InvalidArgumentError("--synthesize-opening steers synthesized prompts: pass --synthesize N too")
     if config.feature_layers is not None:
@@ -299,7 +306,7 @@ def build_dataset(target, config: DataConfig) -> Path:
         check_data_target(output, target)
         prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines() if line]
         stored = json.loads((output / "meta.json").read_text())["config"]
-        for key, default in (("feature_layers", None), ("dtype", "float32")):
+        for key, default in (("feature_layers", None), ("dtype", "float32"), ("store_topk", 0)):
             if stored.get(key, default) != getattr(config, key):
                 raise InvalidArgumentError(f"{output} was started with {key}={stored.get(key, default)}; "
                                            "resume it with the same")
@@ -332,26 +339,34 @@ def build_dataset(target, config: DataConfig) -> Path:
             order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
             responses: dict[int, list[int]] = {}
             features: dict[int, torch.Tensor] = {}
+            top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             for start in range(0, len(order), config.batch_size):
                 chunk = order[start:start + config.batch_size]
                 result = generate_batch(target.model, [encoded[i] for i in chunk], config.max_new_tokens,
-                                        target.eos_token_ids, config.temperature, generator, config.feature_layers)
-                chunk_responses, chunk_features = result if config.feature_layers is not None else (result, None)
+                                        target.eos_token_ids, config.temperature, generator, config.feature_layers,
+                                        top_k=config.store_topk)
+                chunk_responses, chunk_features, chunk_top = result if isinstance(result, tuple) else (result, None, None)
                 for position, index in enumerate(chunk):
                     responses[index] = chunk_responses[position]
                     new_tokens += len(chunk_responses[position])
                     if chunk_features is not None:
                         features[index] = chunk_features[position]
+                    if chunk_top is not None:
+                        top[index] = chunk_top[position]
                 bar.update(len(chunk))
                 elapsed = time.perf_counter() - started
                 done = bar.n - bar.initial
                 bar.set_postfix(tok_s=f"{new_tokens / elapsed:.0f}",
                                 eta=f"{(len(prompts) - bar.n) * elapsed / max(1, done) / 60:.0f}min")
-            if features:
-                from safetensors.torch import save_file
+            from safetensors.torch import save_file
 
+            if features:
                 write_with(output / f"shard-{shard:05d}.features.safetensors",
                            lambda path: save_file({str(i): features[i].contiguous() for i in features}, path))
+            if top:  # record i's top-k: "i.ids" and "i.probs", row r = response token r's distribution
+                write_with(output / f"shard-{shard:05d}.topk.safetensors",
+                           lambda path: save_file({f"{i}.{name}": part.contiguous() for i in top
+                                                   for name, part in zip(("ids", "probs"), top[i])}, path))
             records = [{"prompt_ids": prompt_ids, "response_ids": responses[index]}
                        for index, prompt_ids in enumerate(encoded)]
             write_text(output / f"shard-{shard:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
@@ -381,7 +396,8 @@ def check_data_target(folder: Path, target) -> None:
 
 def load_records(folders: str | os.PathLike | list) -> list[dict]:
     """Records of one or more dataset folders (a list, or names joined by commas). A
-    record whose target features were stored gets `features_ref` = (file, key, layer ids)."""
+    record whose target features were stored gets `features_ref` = (file, key, layer ids), one
+    whose top-k distributions were stored `topk_ref` = (file, key, k)."""
     if isinstance(folders, (str, os.PathLike)):
         folders = [f for f in str(folders).split(",") if f.strip()]
     records = []
@@ -390,13 +406,17 @@ def load_records(folders: str | os.PathLike | list) -> list[dict]:
         if not shards:
             raise InvalidArgumentError(f"{folder} holds no shard-*.jsonl files: build it with `blockspec data`")
         meta = folder / "meta.json"
-        layers = json.loads(meta.read_text())["config"].get("feature_layers") if meta.exists() else None
+        stored = json.loads(meta.read_text())["config"] if meta.exists() else {}
+        layers, top_k = stored.get("feature_layers"), stored.get("store_topk", 0)
         for shard in shards:
             features = shard.with_suffix(".features.safetensors")
+            top = shard.with_suffix(".topk.safetensors")
             for index, row in enumerate(_read_jsonl(shard)):
                 if not isinstance(row.get("prompt_ids"), list) or not isinstance(row.get("response_ids"), list):
                     raise InvalidArgumentError(f"{shard}: a record lacks prompt_ids / response_ids")
                 if layers and features.exists():
                     row["features_ref"] = (str(features), str(index), tuple(layers))
+                if top_k and top.exists():
+                    row["topk_ref"] = (str(top), str(index), top_k)
                 records.append(row)
     return records

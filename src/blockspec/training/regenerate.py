@@ -13,6 +13,10 @@ drafters' one rule for which hidden state a layer id names) are kept for every p
 and response token the target ran, in fp16: training then reads them instead of
 running the target again. The last response token is never fed back, so its row is
 absent (no drafter context ever needs it).
+
+With `top_k`, the target's top-k next-token ids and probabilities (at T=1) are kept for
+every response position: the distribution each response token was chosen from, which
+training distills (`distill_topk`) with no second target pass.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ def generate_batch(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     feature_layers: list[int] | None = None,
-) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
+    top_k: int = 0,
+):
     """Decode every prompt; each response ends with its first EOS (kept) or at `max_new_tokens`.
-    With `feature_layers`, also return one [len(prompt) + len(response) - 1, len(layers) * hidden]
-    fp16 tensor per row (bf16 where a value would overflow fp16)."""
+    Returns the responses; with `feature_layers` or `top_k`, (responses, features, top):
+    features (or None) one [len(prompt) + len(response) - 1, len(layers) * hidden] fp16 tensor
+    per row (bf16 where a value would overflow fp16); top (or None) per row (ids int32 [len(response), k],
+    probabilities fp16 [len(response), k]), row r the distribution of response token r."""
     if not prompts:
         return []
     if any(not prompt for prompt in prompts):
@@ -56,6 +63,7 @@ def generate_batch(
     logits = out.logits[:, -1]
     responses: list[list[int]] = [[] for _ in prompts]
     features: list[list[torch.Tensor]] = [[] for _ in prompts]
+    tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
     if capture:
         stacked = _features(out, feature_layers)
         for row, prompt in enumerate(prompts):
@@ -70,6 +78,11 @@ def generate_batch(
             tokens = logits.argmax(dim=-1)
         for row, token in zip(alive.tolist(), tokens.tolist()):
             responses[row].append(token)
+        if top_k:
+            top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            ids, probs = top.indices.to("cpu", torch.int32), top.values.to("cpu", torch.float16)
+            for position, row in enumerate(alive.tolist()):
+                tops[row].append((ids[position], probs[position]))
         finished = torch.isin(tokens, eos) if eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
         if step == max_new_tokens - 1 or bool(finished.all()):
             break
@@ -86,9 +99,10 @@ def generate_batch(
             for position, row in enumerate(alive.tolist()):
                 features[row].append(stacked[position])
         next_position = next_position + 1
-    if not capture:
+    if not capture and not top_k:
         return responses
-    return responses, [_joined(parts) for parts in features]
+    top = [(torch.stack([i for i, _ in row]), torch.stack([p for _, p in row])) for row in tops] if top_k else None
+    return responses, [_joined(parts) for parts in features] if capture else None, top
 
 
 def _features(out, layer_ids: list[int]) -> torch.Tensor:

@@ -376,7 +376,23 @@ class Trainer:
     @torch.inference_mode()
     def _target_top(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per record: the target's top-k next-token ids [n, k] and probabilities [n, k]
-        (row p: the distribution of the token at p + 1), computed once."""
+        (row p: the distribution of the token at p + 1; only response tokens' rows are ever
+        read), read where `blockspec data --store-topk` stored them, else computed; kept."""
+        k = self.config.distill_topk
+        for index in indices:
+            ref = self.train_records[index].get("topk_ref")
+            if index in self._top or not ref or ref[2] < k:
+                continue
+            path, key, _ = ref
+            sequence, prompt_len = self.sequence(index)
+            with safe_open(path, framework="pt") as handle:
+                stored_ids, stored_probs = handle.get_tensor(f"{key}.ids"), handle.get_tensor(f"{key}.probs")
+            ids = torch.zeros(sequence.numel(), k, dtype=torch.int32)
+            probs = torch.zeros(sequence.numel(), k, dtype=torch.float16)
+            rows = min(stored_ids.shape[0], sequence.numel() - prompt_len)  # response rows inside max_length
+            ids[prompt_len - 1:prompt_len - 1 + rows] = stored_ids[:rows, :k]
+            probs[prompt_len - 1:prompt_len - 1 + rows] = stored_probs[:rows, :k]
+            self._top[index] = (ids, probs)
         missing = [i for i in indices if i not in self._top]
         if missing:  # records whose features were stored: their distributions still need a pass
             sequences, ids, attention = self._padded(missing)
