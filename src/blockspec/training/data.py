@@ -10,11 +10,13 @@ sliced as `SOURCE[start:stop]`;
 or they are self-synthesized: the instruct target writes user turns itself from its
 own chat template; or they are follow-ups (`follow_ups`): the conversations of a folder
 written before (its prompts and the target's responses), each continued by a next user turn
-the target writes, as MT-Bench's second turns follow the model's own first answer. Responses come from the lean batched decoder
-(`blockspec.training.regenerate`). Output: a folder of shards `shard-NNNNN.jsonl` (one
-record per prompt: `prompt_ids`, `response_ids`) and, with `feature_layers`, the
-target's fp16 features of every record beside it (`shard-NNNNN.features.safetensors`,
-captured during generation, so training never runs the target again). Every file is
+the target writes, as MT-Bench's second turns follow the model's own first answer.
+Responses come from the lean batched decoder (`blockspec.training.regenerate`). Output: a
+folder of shards `shard-NNNNN.jsonl` (one record per prompt: `prompt_ids`, `response_ids`)
+and, with `feature_layers`, the target's fp16 features of every record beside it
+(`shard-NNNNN.features.safetensors`, captured during generation, so training never runs the
+target again), with `store_topk` its top-k distributions (`shard-NNNNN.topk.safetensors`,
+so distillation needs no target pass either). Every file is
 written atomically (features first, the `.jsonl` last marks the shard done); a rerun
 skips finished shards, so an interrupted run resumes where it stopped.
 """
