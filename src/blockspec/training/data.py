@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from blockspec.atomic import write_text, write_with
@@ -360,8 +361,6 @@ def build_dataset(target, config: DataConfig) -> Path:
                 done = bar.n - bar.initial
                 bar.set_postfix(tok_s=f"{new_tokens / elapsed:.0f}",
                                 eta=f"{(len(prompts) - bar.n) * elapsed / max(1, done) / 60:.0f}min")
-            from safetensors.torch import save_file
-
             if features:
                 write_with(output / f"shard-{shard:05d}.features.safetensors",
                            lambda path: save_file({str(i): features[i].contiguous() for i in features}, path))

@@ -244,18 +244,17 @@ class Trainer:
         except (OSError, ValueError) as error:
             raise InvalidArgumentError(f"init_from {folder}: {error}") from None
         mine, theirs = self.model.config, source.config
+        grows = hasattr(self.model, "layers") and mine.num_hidden_layers > theirs.num_hidden_layers
         for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "target_layer_ids"):
-            grows = (field == "num_hidden_layers" and hasattr(self.model, "layers")
-                     and getattr(mine, field) > getattr(theirs, field))
-            if getattr(mine, field, None) != getattr(theirs, field, None) and not grows:
+            if getattr(mine, field, None) != getattr(theirs, field, None) and not (grows and field == "num_hidden_layers"):
                 raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
                                            f"{getattr(mine, field)}")
         state = {k: v for k, v in source.state_dict().items() if k != "d2t"}
         self.model.load_state_dict(state, strict=False)
-        for layer in list(self.model.layers)[theirs.num_hidden_layers:] if hasattr(self.model, "layers") else []:
-            for name, weight in layer.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    torch.nn.init.zeros_(weight)
+        added = list(self.model.layers)[theirs.num_hidden_layers:] if grows else []
+        for name, weight in (item for layer in added for item in layer.named_parameters()):
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                torch.nn.init.zeros_(weight)
         return getattr(source, "d2t", None)
 
     # --- processes -------------------------------------------------------------------
