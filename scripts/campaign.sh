@@ -43,7 +43,8 @@ PARTS=" ${PARTS:-math mixed followup code competition} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 # From round 14 on, the data also keeps the target's top-8 distribution at every response token (a
 # few bytes per token): a round can then train on it with DISTILL=8 (logit distillation, no extra
-# target pass). Rounds before kept none, and a folder resumes only as it was started.
+# target pass). Rounds before kept none, and a folder resumes only as it was started; their records
+# keep hard labels (DISTILL_MISSING=hard, the default: a target pass over each would cost ~3 CPU-s).
 TOPK=()
 [ "$ROUND" -ge 14 ] && TOPK=(--store-topk 8)
 mkdir -p "$C/eval"
@@ -128,7 +129,7 @@ if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
   $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$INIT" \
       --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size 8192 \
       --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
-      --loss-weighting ${WEIGHTING:-decay} --distill-topk ${DISTILL:-0} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
+      --loss-weighting ${WEIGHTING:-decay} --distill-topk ${DISTILL:-0} --distill-missing ${DISTILL_MISSING:-hard} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
       --precision "${PRECISION:-auto}"
 fi
 

@@ -285,8 +285,15 @@ def test_distillation_from_the_targets_top1_is_the_hard_label_loss(tmp_path):
             assert torch.equal(ids.gather(2, probs.argmax(-1, keepdim=True))[..., 0], labels)
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert losses[5] != pytest.approx(losses[0], rel=1e-3)
+    # records with no stored distribution keep their hard labels when told to: no target pass for them
+    keep_hard = Trainer(small_config(tmp_path / "hard", batch_size=2, distill_topk=5, distill_missing="hard"),
+                        target, DFlashMethod(), records)
+    assert float(keep_hard.method.loss(keep_hard, [0, 1], epoch=0)[0].detach()) == pytest.approx(losses[0], rel=1e-5)
+    assert keep_hard._top == {}
     with pytest.raises(InvalidArgumentError, match="distill_topk"):
         Trainer(small_config(tmp_path / "bad", distill_topk=-1), target, DFlashMethod(), records)
+    with pytest.raises(InvalidArgumentError, match="distill_missing must be compute or hard"):
+        Trainer(small_config(tmp_path / "bad2", distill_topk=4, distill_missing="skip"), target, DFlashMethod(), records)
 
 
 def test_expected_length_weights_follow_the_drafters_own_accuracy(tmp_path):

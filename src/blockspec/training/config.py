@@ -48,6 +48,11 @@ class TrainConfig:
     # vocabulary holds): read where `blockspec data --store-topk K'` (K' >= K) stored it, else
     # from one target pass per training sequence, cached across epochs.
     distill_topk: int = 0
+    # Distilling, the records whose distributions were not stored (data written before
+    # --store-topk): "compute" runs the target over each (one pass per record, cached); "hard"
+    # keeps their hard labels, which on the target's own greedy text are its top-1 (the k = 1
+    # distillation), so older rounds' data mixes in without a target pass.
+    distill_missing: str = "compute"
     max_length: int = 1024
     batch_size: int = 4
     lr: float = 6e-4

@@ -133,6 +133,8 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
         raise InvalidArgumentError(f"loss_weighting must be decay or expected-length, got {config.loss_weighting!r}")
     if config.distill_topk < 0:
         raise InvalidArgumentError(f"distill_topk must be >= 0, got {config.distill_topk}")
+    if config.distill_missing not in ("compute", "hard"):
+        raise InvalidArgumentError(f"distill_missing must be compute or hard, got {config.distill_missing!r}")
     if config.precision not in ("auto", "bf16", "fp32"):
         raise InvalidArgumentError(f"precision must be auto, bf16 or fp32, got {config.precision!r}")
 
@@ -354,7 +356,8 @@ class Trainer:
         if missing:
             sequences, ids, attention = self._padded(missing)
             # distilling: the same pass gives the target's distributions (one target pass per record, not two)
-            distill = [i for i in missing if self.config.distill_topk and i not in self._top]
+            distill = [i for i in missing if self.config.distill_topk and self.config.distill_missing == "compute"
+                       and i not in self._top]
             out = self.target.model(input_ids=ids, attention_mask=attention, output_hidden_states=True,
                                     logits_to_keep=0 if distill else 1)
             stacked = target_features(out.hidden_states, layer_ids)
@@ -373,10 +376,11 @@ class Trainer:
             self._top[index] = (top.indices[row, :n].to("cpu", torch.int32), top.values[row, :n].to("cpu", torch.float16))
 
     @torch.inference_mode()
-    def _target_top(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _target_top(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per record: the target's top-k next-token ids [n, k] and probabilities [n, k]
         (row p: the distribution of the token at p + 1; only response tokens' rows are ever
-        read), read where `blockspec data --store-topk` stored them, else computed; kept."""
+        read), read where `blockspec data --store-topk` stored them, else computed (None
+        with distill_missing="hard": that record keeps its hard labels); kept."""
         k = self.config.distill_topk
         for index in indices:
             ref = self.train_records[index].get("topk_ref")
@@ -393,6 +397,8 @@ class Trainer:
             probs[prompt_len - 1:prompt_len - 1 + rows] = stored_probs[:rows, :k]
             self._top[index] = (ids, probs)
         missing = [i for i in indices if i not in self._top]
+        if missing and self.config.distill_missing == "hard":
+            return [self._top.get(i) for i in indices]
         if missing:  # records whose features were stored: their distributions still need a pass
             sequences, ids, attention = self._padded(missing)
             with torch.autocast(self.target.device.type, enabled=False):  # the target's own precision
@@ -410,10 +416,14 @@ class Trainer:
         k = self.config.distill_topk
         ids = torch.full((batch, width, k), -1, dtype=torch.long)
         probs = torch.zeros(batch, width, k)
-        for row, (top_ids, top_probs) in enumerate(tops):
-            source = (positions[row] - 1).clamp(0, top_ids.shape[0] - 1)  # the distribution that predicts it
-            ids[row], probs[row] = top_ids[source].long(), top_probs[source].float()
+        for row, top in enumerate(tops):
+            if top is not None:
+                source = (positions[row] - 1).clamp(0, top[0].shape[0] - 1)  # the distribution that predicts it
+                ids[row], probs[row] = top[0][source].long(), top[1][source].float()
         ids = torch.where(ids >= 0, self.t2d[ids.clamp_min(0)], -1)
+        for row, top in enumerate(tops):
+            if top is None:  # no stored distribution: all weight on the label (already a draft id)
+                ids[row, :, 0], probs[row, :, 0] = labels[row], 1.0
         probs = torch.where((ids >= 0) & (labels != IGNORE)[..., None], probs, 0.0)
         return ids, probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
 
