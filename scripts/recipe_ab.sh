@@ -5,7 +5,8 @@
 #
 #   ARM=anchors96 DATA_FOLDERS=runs/campaign/regen-math-1 BUDGET_S=600 scripts/recipe_ab.sh --num-anchors 96
 #
-# Extra arguments are `blockspec train` options that override the defaults below.
+# Extra arguments are `blockspec train` options that override the defaults below. The eval runs the
+# drafter in float32 (EVAL_DTYPE), as the campaign's does, so arms and rounds compare.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARM=${ARM:?name this arm}
@@ -27,4 +28,5 @@ if [ ! -f "runs/ab/$ARM/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; t
       --time-budget-s "$BUDGET_S" --eval-every 0 --save-every 25 --seed 0 --threads "$THREADS" "$@"
 fi
 [ -f "runs/ab/$ARM.json" ] || $BS eval-drafter "runs/ab/$ARM/final" --data-dir "${DATA:-../shared/data}" \
-    --limit "$EVAL_LIMIT" --max-new-tokens 128 --block-size 16 --threads "$THREADS" --output "runs/ab/$ARM.json"
+    --limit "$EVAL_LIMIT" --max-new-tokens 128 --block-size 16 --threads "$THREADS" \
+    --drafter-dtype "${EVAL_DTYPE:-float32}" --output "runs/ab/$ARM.json"

@@ -397,14 +397,13 @@ class Trainer:
             probs[prompt_len - 1:prompt_len - 1 + rows] = stored_probs[:rows, :k]
             self._top[index] = (ids, probs)
         missing = [i for i in indices if i not in self._top]
-        if missing and self.config.distill_missing == "hard":
-            return [self._top.get(i) for i in indices]
-        if missing:  # records whose features were stored: their distributions still need a pass
+        if missing and self.config.distill_missing == "compute":
+            # records whose features were stored: their distributions still need a pass
             sequences, ids, attention = self._padded(missing)
             with torch.autocast(self.target.device.type, enabled=False):  # the target's own precision
                 logits = self.target.model(input_ids=ids, attention_mask=attention).logits
             self._keep_top(missing, sequences, logits)
-        return [self._top[i] for i in indices]
+        return [self._top.get(i) for i in indices]
 
     # --- what the losses share -------------------------------------------------------
     def soft_labels(self, indices: list[int], positions: torch.Tensor, labels: torch.Tensor):
