@@ -119,6 +119,13 @@ def test_method_names_parse_into_the_registry():
         ("default", "hybrid:/drafter", True, 32), ("default-chain", "hybrid:/drafter", True, None),
         ("dflash-tree", "/drafter", True, 32), ("dflash-tree-n12", "/drafter", False, 12)]
     assert [m.name for m in parse_methods("baseline,dflash-tree,dflash-tree-n8", None)] == ["baseline"]
+    # the default command with another drafter, beside the shipped one in the same run
+    others = parse_methods("baseline,default,default-new=/other,default-chain-new=/other", "auto")[1:]
+    assert [(m.name, m.drafter, m.plan, m.tree_budget, m.block_size) for m in others] == [
+        ("default", "hybrid", True, 32, 16), ("default-new", "hybrid:/other", True, 32, 16),
+        ("default-chain-new", "hybrid:/other", True, None, 16)]
+    with pytest.raises(InvalidArgumentError, match="named twice: default "):
+        parse_methods("baseline,default,default=/other", "auto")
     for drafter in ("/drafter", None):  # a bad budget is an error even where the method would be skipped
         with pytest.raises(InvalidArgumentError, match="node budget"):
             parse_methods("baseline,dflash-tree-n0", drafter)

@@ -9,7 +9,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -93,7 +93,9 @@ def parse_methods(names: str, drafter: str | None, drafter_dtype: str = "auto") 
     (the same with chains, `--chain`), the transformers peers `hf-generate`, `hf-prompt-lookup`
     and `hf-dflash-bN` (transformers' built-in DFlash fed with the same drafter), the lossy
     `diffusion-bN[-sK]`, and `LABEL=FOLDER` for any other trained drafter (e.g.
-    `mtp-b4=runs/mtp/final`: an MTP head at block size 4). A blockspec method ending in
+    `mtp-b4=runs/mtp/final`: an MTP head at block size 4; a LABEL `default...` or
+    `default-chain...`, e.g. `default-new=runs/x/final`: the default command with that DFlash
+    drafter, so two drafters meet in one interleaved run). A blockspec method ending in
     `@DTYPE` runs its trained drafter in that precision (e.g. `default@float32` beside
     `default`); others run in `drafter_dtype`."""
     methods = []
@@ -111,6 +113,10 @@ def parse_methods(names: str, drafter: str | None, drafter_dtype: str = "auto") 
         if precision:
             method.name += f"@{precision}"
         methods.append(method)
+    names = [method.name for method in methods]
+    if len(set(names)) < len(names):  # results are kept by name: a repeat would overwrite its twin
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise InvalidArgumentError(f"bench method named twice: {', '.join(twice)} (label one, e.g. default-new=FOLDER)")
     if not methods or methods[0].name != "baseline":
         raise InvalidArgumentError("the first bench method must be `baseline` (the plain loop every ratio uses)")
     return methods
@@ -124,6 +130,8 @@ def _method(name: str, drafter: str | None) -> Method | None:
     tree = _TREE.match(name)
     if "=" in name:  # LABEL=FOLDER: any trained drafter (DFlash, MTP, ...), block size from a -bN suffix
         label, folder = name.split("=", 1)
+        if label.split("-")[0] == "default":  # the default command with this DFlash drafter (`--chain`: default-chain...)
+            return replace(_method("default-chain" if label.startswith("default-chain") else "default", folder), name=label)
         suffix = label.rsplit("-b", 1)
         return Method(label, folder, int(suffix[1]) if len(suffix) == 2 and suffix[1].isdigit() else 8)
     if name == "baseline":
