@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "one prompt by prompt (default: baseline, default, default-chain, prompt-lookup, "
                             "dflash-tree, dflash-auto, dflash-b16, dflash-b8, hf-generate, hf-prompt-lookup, "
                             "hf-dflash-b16); dflash-bN for any block size N; `default` is what `blockspec generate` "
-                            "does")
+                            "does; LABEL=FOLDER for another trained drafter (a LABEL default-... or "
+                            "default-chain-...: the default command with that DFlash drafter)")
     _add_drafter_dtype(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--repeats", type=_positive_int, default=1,
