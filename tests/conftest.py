@@ -11,7 +11,7 @@ import transformers
 from transformers import GenerationConfig
 
 from blockspec.decoding.draft import Drafter
-from blockspec.targets.adapter import TargetAdapter
+from blockspec.targets.adapter import TargetAdapter, store_linear_weights_transposed
 
 transformers.utils.logging.set_verbosity_error()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -48,7 +48,10 @@ def tiny_model(arch: str, seed: int = 0, **kwargs):
 
 
 def tiny_target(arch: str, seed: int = 0, **kwargs) -> TargetAdapter:
-    return TargetAdapter(tiny_model(arch, seed, **kwargs), tokenizer=None, name=f"tiny-{arch}")
+    """As `load_target` builds one: the adapter, then the weights laid out for CPU inference."""
+    target = TargetAdapter(tiny_model(arch, seed, **kwargs), tokenizer=None, name=f"tiny-{arch}")
+    store_linear_weights_transposed(target.model)
+    return target
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:

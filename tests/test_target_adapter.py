@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache
 
-from blockspec.targets.adapter import crop_cache_to_length
-from conftest import ARCHITECTURES, tiny_target
+from blockspec.targets.adapter import TargetAdapter, crop_cache_to_length, store_linear_weights_transposed
+from conftest import ARCHITECTURES, tiny_config, tiny_model, tiny_target
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -98,6 +99,49 @@ def test_sdpa_own_gqa_gives_the_repeated_heads_numbers(arch, monkeypatch):
         kv.prefill(torch.arange(2, 30))
         logits[setting], _ = kv.verify([[5, 6, 7, 8, 9]], [[-1, 0, 0, 2]])
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_transposed_weight_storage_keeps_the_numbers(arch):
+    """load_target stores each Linear weight as the transpose of a contiguous [in, out]
+    matrix (faster few-row products on CPU BLAS): the same Parameters with the same values, a
+    tied head still tied, and a tree verify pass (mask, sliding windows) with the same logits
+    up to float rounding."""
+    from blockspec.targets.kv import SlotKV
+
+    logits, layouts = {}, {}
+    for transposed in (False, True):
+        torch.manual_seed(0)
+        config = tiny_config(arch)
+        config.tie_word_embeddings = True
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        target = TargetAdapter(model, tokenizer=None, name=arch)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        parameters = dict(model.named_parameters())
+        moved = store_linear_weights_transposed(model) if transposed else 0
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        layouts[transposed] = (moved, [m.weight.is_contiguous() for m in linears])
+        assert dict(model.named_parameters()).keys() == parameters.keys()
+        for name, p in model.named_parameters():
+            assert p is parameters[name] and torch.equal(p, before[name]), name
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        kv = SlotKV(target)
+        kv.prefill(torch.arange(2, 30))
+        logits[transposed], _ = kv.verify([[5, 6, 7, 8, 9]], [[-1, 0, 0, 2]])
+    moved, contiguous = layouts[True]
+    assert moved == len(contiguous) > 0 and not any(contiguous)  # every Linear of the body (the head is SkinnyHead)
+    assert all(layouts[False][1])
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_storage_leaves_other_weights_alone():
+    """Only float32 CPU Linear weights move: a bf16 model keeps its layout, and a second call
+    moves nothing."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert store_linear_weights_transposed(model) == 0
+    model = tiny_model("llama")
+    assert store_linear_weights_transposed(model) > 0
+    assert store_linear_weights_transposed(model) == 0
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

@@ -72,6 +72,25 @@ class SkinnyHead(torch.nn.Module):
         return (self.weight @ flat.T).T.reshape(*hidden.shape[:-1], self.weight.shape[0])
 
 
+def store_linear_weights_transposed(model: torch.nn.Module) -> int:
+    """Store every float32 CPU `nn.Linear` weight of `model` as the transpose of a contiguous
+    [in, out] matrix (same values, same module, same Parameter; a tied weight stays tied).
+    `F.linear` then hands BLAS x @ W^T with W^T contiguous, which MKL's sgemm packs far more
+    cheaply for the few rows of a verify pass than the row-major [out, in] weight: measured
+    on the default target (2 threads, 300-token context, interleaved), a pass of 4-33 tokens
+    in 0.89-0.94x the time, one token unchanged, logits equal up to float rounding (~1e-4).
+    For inference only (`load_target`): a model under an optimizer keeps its layout. Returns
+    how many weights were re-laid out."""
+    moved = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Linear) and weight is not None and weight.device.type == "cpu"
+                and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2):
+            weight.data = weight.data.t().contiguous().t()
+            moved += 1
+    return moved
+
+
 class TargetAdapter:
     """A causal LM plus its tokenizer, decoding one sequence on its own KV cache."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockspec.errors import InvalidArgumentError, TargetNotFoundError
-from blockspec.targets.adapter import TargetAdapter
+from blockspec.targets.adapter import TargetAdapter, store_linear_weights_transposed
 
 DEFAULT_TARGET = "default"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -193,4 +193,6 @@ def load_target(
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TargetNotFoundError(f"could not load target {spec!r}: {first_line}") from None
     model.to(device)
-    return TargetAdapter(model, tokenizer, name=name)
+    adapter = TargetAdapter(model, tokenizer, name=name)  # first: its LM head is then no Linear and keeps its layout
+    store_linear_weights_transposed(adapter.model)
+    return adapter
