@@ -75,11 +75,12 @@ class SkinnyHead(torch.nn.Module):
 def store_linear_weights_transposed(model: torch.nn.Module) -> int:
     """Store every float32 CPU `nn.Linear` weight of `model` as the transpose of a contiguous
     [in, out] matrix (same values, same module, same Parameter; a tied weight stays tied).
-    `F.linear` then hands BLAS x @ W^T with W^T contiguous, which MKL's sgemm packs far more
-    cheaply for the few rows of a verify pass than the row-major [out, in] weight: measured
-    on the default target (2 threads, 300-token context, interleaved), a pass of 4-33 tokens
-    in 0.89-0.94x the time, one token unchanged, logits equal up to float rounding (~1e-4).
-    For inference only (`load_target`): a model under an optimizer keeps its layout. Returns
+    `F.linear` then hands BLAS x @ W^T with W^T contiguous, which MKL's sgemm packs more
+    cheaply for the few rows of a verify pass than the row-major [out, in] weight. Measured
+    here: the default target's 30 layers of [1536, 576] products, one thread, 0.82x the time
+    at 8 rows, 0.86x at 33; the default command 0.936x the time per token and the plain loop
+    1.016x (scripts/weight_layout_ab.py; docs/benchmarks.md, session 20); logits equal up to
+    float rounding (~1e-4). For inference only (`load_target`): a model under an optimizer keeps its layout. Returns
     how many weights were re-laid out."""
     moved = 0
     for module in model.modules():
