@@ -8,6 +8,10 @@ prompt and as medians: the default's speedup over the plain loop under each layo
 time per token of each method transposed over row-major.
 
     python scripts/weight_layout_ab.py --limit 4 --threads 2
+    python scripts/weight_layout_ab.py --regenerate --threads 1   # training data: batched regeneration
+
+`--regenerate`: instead, `blockspec data`'s batched regeneration (32 GSM8K train questions, 64
+new tokens, features captured) in the order A B B A A B, tokens per CPU-second of this process.
 """
 
 import argparse
@@ -25,6 +29,7 @@ parser.add_argument("--datasets", default="gsm8k,math500,humaneval")
 parser.add_argument("--data-dir", default="../shared/data")
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--max-new-tokens", type=int, default=128)
+parser.add_argument("--regenerate", action="store_true", help="time batched regeneration instead")
 args = parser.parse_args()
 
 target = load_target("default", threads=args.threads)
@@ -37,6 +42,25 @@ def lay_out(transposed: bool) -> None:
         module.weight.data = (weight.t().clone(memory_format=torch.contiguous_format).t() if transposed
                               else weight.clone(memory_format=torch.contiguous_format))
 
+
+if args.regenerate:
+    import json
+    import time
+    from pathlib import Path
+
+    from blockspec.training.regenerate import generate_batch
+
+    lines = Path(args.data_dir, "gsm8k", "train.jsonl").read_text().splitlines()[:32]
+    prompts = [target.encode_prompt(json.loads(line)["question"]) for line in lines]
+    rates = {"row-major": [], "transposed": []}
+    for layout in ("row-major", "transposed", "transposed", "row-major", "row-major", "transposed"):
+        lay_out(layout == "transposed")
+        started = time.process_time()
+        responses, _, _ = generate_batch(target.model, prompts, 64, (), feature_layers=[1, 8, 15, 22, 27])
+        rates[layout].append(sum(len(r) for r in responses) / (time.process_time() - started))
+        print(layout, f"{rates[layout][-1]:.1f} tokens per CPU-second", flush=True)
+    print(" ".join(f"median {k} {statistics.median(v):.1f}" for k, v in rates.items()))
+    raise SystemExit
 
 methods = parse_methods("baseline,default", None)
 decoders = {m.name: m.build(target) for m in methods}
