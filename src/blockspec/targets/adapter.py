@@ -78,8 +78,9 @@ def store_linear_weights_transposed(model: torch.nn.Module) -> int:
     `F.linear` then hands BLAS x @ W^T with W^T contiguous, which MKL's sgemm packs more
     cheaply for the few rows of a verify pass than the row-major [out, in] weight. Measured
     here: the default target's 30 layers of [1536, 576] products, one thread, 0.82x the time
-    at 8 rows, 0.86x at 33; the default command 0.936x the time per token and the plain loop
-    1.016x (scripts/weight_layout_ab.py; docs/benchmarks.md, session 20); logits equal up to
+    at 8 rows, 0.86x at 33; the default command 0.936x the time per token on math and code,
+    0.986x on chat, the plain loop level (scripts/weight_layout_ab.py; docs/benchmarks.md,
+    session 20); logits equal up to
     float rounding (~1e-4). For inference only (`load_target`): a model under an optimizer keeps its layout. Returns
     how many weights were re-laid out."""
     moved = 0
