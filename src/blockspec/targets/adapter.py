@@ -80,16 +80,16 @@ def store_linear_weights_transposed(model: torch.nn.Module) -> int:
     here: the default target's 30 layers of [1536, 576] products, one thread, 0.82x the time
     at 8 rows, 0.86x at 33; the default command 0.936x the time per token on math and code,
     0.986x on chat, the plain loop level (scripts/weight_layout_ab.py; docs/benchmarks.md,
-    session 20); logits equal up to
-    float rounding (~1e-4). For inference only (`load_target`): a model under an optimizer keeps its layout. Returns
-    how many weights were re-laid out."""
+    session 20); logits equal up to float rounding (~1e-4). For inference only
+    (`load_target`): a model under an optimizer keeps its layout. Returns how many weights
+    were re-laid out."""
     moved = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (isinstance(module, torch.nn.Linear) and weight is not None and weight.device.type == "cpu"
-                and weight.dtype == torch.float32 and weight.is_contiguous() and weight.dim() == 2):
-            weight.data = weight.data.t().contiguous().t()
-            moved += 1
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight
+            if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous():
+                weight.data = weight.data.t().contiguous().t()
+                moved += 1
     return moved
 
 
