@@ -11,7 +11,8 @@ import transformers
 from transformers import GenerationConfig
 
 from blockspec.decoding.draft import Drafter
-from blockspec.targets.adapter import TargetAdapter, store_linear_weights_transposed
+from blockspec.targets.adapter import TargetAdapter
+from blockspec.targets.layout import store_linear_weights_transposed
 
 transformers.utils.logging.set_verbosity_error()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -48,7 +49,9 @@ def tiny_model(arch: str, seed: int = 0, **kwargs):
 
 
 def tiny_target(arch: str, seed: int = 0, **kwargs) -> TargetAdapter:
-    """As `load_target` builds one: the adapter, then the weights laid out for CPU inference."""
+    """As `load_target` builds one: the adapter, then the Linear weights stored transposed (the
+    layout it picks where this machine measures it faster, targets/layout.py; transformers' own
+    row-major layout runs in the tests that build models without this)."""
     target = TargetAdapter(tiny_model(arch, seed, **kwargs), tokenizer=None, name=f"tiny-{arch}")
     store_linear_weights_transposed(target.model)
     return target

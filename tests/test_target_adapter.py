@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 from transformers import DynamicCache
 
-from blockspec.targets.adapter import TargetAdapter, crop_cache_to_length, store_linear_weights_transposed
+from blockspec.errors import InvalidArgumentError
+from blockspec.targets.adapter import TargetAdapter, crop_cache_to_length
+from blockspec.targets.layout import store_linear_weights_transposed
 from conftest import ARCHITECTURES, tiny_config, tiny_model, tiny_target
 
 
@@ -142,6 +146,71 @@ def test_transposed_storage_leaves_other_weights_alone():
     model = tiny_model("llama")
     assert store_linear_weights_transposed(model) > 0
     assert store_linear_weights_transposed(model) == 0
+
+
+def test_linear_layout_named_in_the_environment_is_applied_without_measuring(monkeypatch, tmp_path):
+    from blockspec.targets import layout
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(layout, "probe_linear_layout", lambda *a, **k: pytest.fail("measured"))
+    for name, contiguous in (("transposed", False), ("row-major", True)):
+        monkeypatch.setenv(layout.LAYOUT_ENV, name)
+        model = tiny_model("llama")
+        assert layout.lay_out_linear_weights(model) == {"layout": name, "source": "env"}
+        assert all(m.weight.is_contiguous() == contiguous for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setenv(layout.LAYOUT_ENV, "columns")
+    with pytest.raises(InvalidArgumentError, match="BLOCKSPEC_LINEAR_LAYOUT='columns'.*auto, row-major, transposed"):
+        layout.choose_linear_layout(tiny_model("llama"))
+
+
+@pytest.mark.parametrize("ratio, expected", [([0.85, 0.9], "transposed"), ([0.8, 0.95], "row-major"),
+                                             ([1.1, 1.0], "row-major")])
+def test_auto_linear_layout_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path, ratio, expected):
+    """`auto` lays the weights out transposed only when this machine measured it clearly
+    faster at every probed size; the answer is kept (atomically, in the cache dir) so later loads agree without a
+    probe; another thread count is another question; a corrupt cache file is measured again."""
+    from blockspec.targets import layout
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(layout.LAYOUT_ENV, raising=False)
+    probes = []
+    monkeypatch.setattr(layout, "probe_linear_layout", lambda shapes: probes.append(shapes) or ratio)
+    model = tiny_model("llama")
+    first = layout.lay_out_linear_weights(model)
+    assert first == {"layout": expected, "ratio": ratio, "source": "measured"}
+    assert probes == [layout.linear_shapes(tiny_model("llama"))]
+    assert all(m.weight.is_contiguous() == (expected == "row-major")
+               for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert layout.choose_linear_layout(tiny_model("llama")) == {"layout": expected, "ratio": ratio, "source": "cached"}
+    assert len(probes) == 1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert layout.choose_linear_layout(tiny_model("llama"))["source"] == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    assert len(probes) == 2 and len(json.loads((tmp_path / "linear-layout.json").read_text())) == 2
+    (tmp_path / "linear-layout.json").write_text("{not json")
+    assert layout.choose_linear_layout(tiny_model("llama"))["source"] == "measured"
+
+
+def test_linear_layout_leaves_models_it_cannot_speed_up_alone(monkeypatch):
+    """A bf16 model has no float32 CPU Linear to move: nothing is measured or changed."""
+    from blockspec.targets import layout
+
+    monkeypatch.delenv(layout.LAYOUT_ENV, raising=False)
+    monkeypatch.setattr(layout, "probe_linear_layout", lambda *a, **k: pytest.fail("measured"))
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert layout.lay_out_linear_weights(model) == {"layout": "row-major", "source": "not-applicable"}
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+def test_linear_layout_probe_times_both_layouts():
+    """The real probe (tiny shapes, a MB): a positive, finite time ratio per row count."""
+    from blockspec.targets.layout import probe_linear_layout
+
+    ratios = probe_linear_layout([(96, 64), (64, 96)], rows=(1, 3), probe_bytes=1 << 20, repeats=3)
+    assert len(ratios) == 2 and all(0 < ratio < float("inf") for ratio in ratios)
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

@@ -589,7 +589,7 @@ def _bench(args) -> int:
                        repeats=args.repeats)
     meta = {"target": target.name, "drafter": drafter, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "command": " ".join(sys.argv),
-            "machine": machine_description()}
+            "machine": machine_description(), "linear_layout": target.linear_layout}
     rows = summarize(result, methods)
     meta["paired"] = paired_comparisons(rows, methods)
     from blockspec.bench.costs import measure_costs

@@ -328,12 +328,9 @@ def machine_description() -> dict:
 
     import blockspec
 
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+    from blockspec.targets.layout import cpu_name
+
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "blockspec": blockspec.__version__}
 

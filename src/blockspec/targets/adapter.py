@@ -61,7 +61,8 @@ class SkinnyHead(torch.nn.Module):
     """The LM head computed as W @ x^T. Same weight (tied weights stay tied), same
     values up to float rounding, but on CPU BLAS this orientation is much faster for
     the few rows of a verify pass (measured here: a 4-token verify of the default
-    target 86 -> 73 ms) and no slower for one row."""
+    target 86 -> 73 ms) and no slower for one row. Also on session 21's AMD EPYC (bare
+    head products, 2 threads): 9.5 vs 32 ms at 4 rows, 34 vs 56 ms at 33, level at one."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -70,27 +71,6 @@ class SkinnyHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         return (self.weight @ flat.T).T.reshape(*hidden.shape[:-1], self.weight.shape[0])
-
-
-def store_linear_weights_transposed(model: torch.nn.Module) -> int:
-    """Store every float32 CPU `nn.Linear` weight of `model` as the transpose of a contiguous
-    [in, out] matrix (same values, same module, same Parameter; a tied weight stays tied).
-    `F.linear` then hands BLAS x @ W^T with W^T contiguous, which MKL's sgemm packs more
-    cheaply for the few rows of a verify pass than the row-major [out, in] weight. Measured
-    here: the default target's 30 layers of [1536, 576] products, one thread, 0.82x the time
-    at 8 rows, 0.86x at 33; the default command 0.936x the time per token on math and code,
-    0.986x on chat, the plain loop level (scripts/weight_layout_ab.py; docs/benchmarks.md,
-    session 20); logits equal up to float rounding (~1e-4). For inference only
-    (`load_target`): a model under an optimizer keeps its layout. Returns how many weights
-    were re-laid out."""
-    moved = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            weight = module.weight
-            if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous():
-                weight.data = weight.data.t().contiguous().t()
-                moved += 1
-    return moved
 
 
 class TargetAdapter:
@@ -111,6 +91,8 @@ class TargetAdapter:
         self.max_context: int = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # how the Linear weights are stored (targets/layout.py); `load_target` measures and sets it
+        self.linear_layout: dict = {"layout": "row-major", "source": "as-built"}
         self.eos_token_ids: tuple[int, ...] = _eos_ids(model, tokenizer)
         self.cache: DynamicCache | None = None
         # With sliding-window layers, only the tokens of the passes since the last

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from blockspec.errors import InvalidArgumentError, TargetNotFoundError
-from blockspec.targets.adapter import TargetAdapter, store_linear_weights_transposed
+from blockspec.targets.adapter import TargetAdapter
+from blockspec.targets.layout import lay_out_linear_weights
 
 DEFAULT_TARGET = "default"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -194,5 +195,5 @@ def load_target(
         raise TargetNotFoundError(f"could not load target {spec!r}: {first_line}") from None
     model.to(device)
     adapter = TargetAdapter(model, tokenizer, name=name)  # first: its LM head is then no Linear and keeps its layout
-    store_linear_weights_transposed(adapter.model)
+    adapter.linear_layout = lay_out_linear_weights(adapter.model)
     return adapter
