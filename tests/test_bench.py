@@ -194,3 +194,30 @@ def test_paired_comparison_cancels_the_spread_between_prompts(tmp_path):
     report(rows, tmp_path, {"paired": list(comparisons.values())})
     assert "| subject | other | d | 6 | 1.10x | 1.10-1.10 |" in (tmp_path / "table.md").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["rows"][1]["speedup_by_prompt"]
+
+
+def test_cost_decomposition_times_the_model_pass_of_a_hybrid_drafter():
+    """`measure_costs` times one drafting pass of the MODEL for the default's hybrid drafter
+    (the model + prompt lookup): the timed context repeats itself, and left to choose, the
+    hybrid drafts those steps by lookup, which costs nothing and read d = 0.00."""
+    import torch
+
+    from blockspec.bench.costs import measure_costs
+    from blockspec.decoding.draft import Draft, Drafter
+    from blockspec.drafters.hybrid import HybridDrafter
+    from conftest import tiny_target
+
+    class Counted(Drafter):
+        name = "counted"
+        passes = 0
+
+        def begin(self, prompt_ids, prompt_features):
+            pass
+
+        def propose_one(self, request):
+            Counted.passes += 1
+            return Draft(tokens=torch.full((request.num_drafts,), 3))
+
+    target = tiny_target("llama")
+    cost = measure_costs(target, HybridDrafter(Counted()), block_size=4, context_len=16, repeats=5)
+    assert Counted.passes == 5 and cost["d"] > 0 and cost["r"] > 0
