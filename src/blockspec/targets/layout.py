@@ -110,10 +110,10 @@ def _cache_path() -> Path:
 def choose_linear_layout(model: torch.nn.Module) -> dict:
     """Which layout this machine runs the model's few-row products faster in: {"layout",
     "source" (env / measured / cached / not-applicable), "ratio" (transposed over row-major
-    time at each of PROBE_ROWS, when measured)}. BLOCKSPEC_LINEAR_LAYOUT=row-major|transposed|auto overrides;
-    `auto` (the default) measures once per CPU model, torch version, thread count and set of
-    shapes and keeps the answer in the user cache dir, so every later load (and every process
-    of a benchmark) lays the target out the same way."""
+    time at each of PROBE_ROWS, when measured)}. BLOCKSPEC_LINEAR_LAYOUT=row-major|transposed
+    overrides; `auto` (the default) measures once per CPU model, torch version, thread count
+    and set of shapes and keeps the answer in the user cache dir, so every later load (and
+    every process of a benchmark) lays the target out the same way."""
     requested = os.environ.get(LAYOUT_ENV, "auto").strip() or "auto"
     if requested not in (*LAYOUTS, "auto"):
         raise InvalidArgumentError(f"{LAYOUT_ENV}={requested!r}: use one of auto, {', '.join(LAYOUTS)}")
