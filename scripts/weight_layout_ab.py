@@ -3,7 +3,9 @@ each float32 Linear weight is copied afresh, either row-major (transformers' [ou
 transposed (the transpose of a contiguous [in, out] matrix, which MKL's sgemm packs more
 cheaply for few rows in a bare matrix product here). Each prompt runs the plain loop and the
 default command under both layouts in the order A B B A (fresh copies each time, so neither
-layout keeps the memory it was loaded into), median time per output token kept. Prints, per
+layout keeps the memory it was loaded into), median time per output token kept (session 20's
+Intel machine: transposed 0.936x; session 21's AMD EPYC: 1.113x, which is why `load_target` now
+measures the layout per machine, targets/layout.py). Prints, per
 prompt and as medians: the default's speedup over the plain loop under each layout, and the
 time per token of each method transposed over row-major.
 
