@@ -566,8 +566,8 @@ def _import(args) -> int:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from blockspec.bench.runner import (DEFAULT_METHODS, machine_description, paired_comparisons, parse_methods,
-                                        report, run_bench, summarize)
+    from blockspec.bench.runner import (DEFAULT_METHODS, describe_linear_layout, machine_description,
+                                        paired_comparisons, parse_methods, report, run_bench, summarize)
     from blockspec.drafters.registry import shipped_drafter_for
     from blockspec.targets.loading import load_target
 
@@ -614,6 +614,7 @@ def _bench(args) -> int:
     print(f"memory bandwidth {meta['roofline']['bandwidth_gb_s']:.1f} GB/s, {meta['roofline']['bytes_per_step_mb']:.0f} MB "
           f"read per decode step -> plain decoding ceiling {meta['roofline']['ceiling_tokens_per_s']:.1f} tokens/s"
           + (f"; the baseline reached {baseline_rate:.1f} tokens/s" if baseline_rate else ""))
+    print(describe_linear_layout(target.linear_layout))
     if not args.no_memory:
         from blockspec.bench.datasets import load_prompts
         from blockspec.bench.memory import measure_in_subprocess

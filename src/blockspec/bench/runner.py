@@ -348,6 +348,18 @@ def _markdown_row(r: dict) -> str:
             f"{r['ttft_s_median'] * 1e3:.0f} | {r['mismatches']} | {r['agreement']:.2f} | {accuracy} |")
 
 
+def describe_linear_layout(choice: dict) -> str:
+    """One line on how the target's Linear weights were stored (targets/layout.py): numbers
+    from two machines are comparable only knowing it."""
+    from blockspec.targets.layout import PROBE_ROWS
+
+    line = f"Target Linear weights stored {choice['layout']} ({choice['source']}"
+    if choice.get("ratio"):
+        line += "; transposed / row-major time " + ", ".join(
+            f"{ratio:.2f}x at {rows} rows" for ratio, rows in zip(choice["ratio"], PROBE_ROWS))
+    return line + ")."
+
+
 def report(rows: list[dict], output: Path, meta: dict) -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
@@ -383,6 +395,8 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
         markdown += ["", f"Memory bandwidth {line['bandwidth_gb_s']:.1f} GB/s; a decode step reads at least "
                          f"{line['bytes_per_step_mb']:.0f} MB (weights + KV at {line['context_len']} tokens): plain "
                          f"decoding cannot exceed {line['ceiling_tokens_per_s']:.1f} tokens/s here."]
+    if meta.get("linear_layout"):
+        markdown += ["", describe_linear_layout(meta["linear_layout"])]
     if meta.get("peak_memory"):
         markdown += ["", "| method | RSS once loaded (MB) | peak RSS while generating (MB) | added by generating (MB) |",
                      "|---|---|---|---|"]
