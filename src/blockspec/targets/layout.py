@@ -43,20 +43,22 @@ def store_linear_weights_transposed(model: torch.nn.Module) -> int:
     logits equal up to float rounding (~1e-4). For inference only: a model under an optimizer
     keeps its layout. Returns how many weights were re-laid out."""
     moved = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            weight = module.weight
-            if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.is_contiguous():
-                weight.data = weight.data.t().contiguous().t()
-                moved += 1
+    for weight in _cpu_float32_linear_weights(model):
+        if weight.is_contiguous():
+            weight.data = weight.data.t().contiguous().t()
+            moved += 1
     return moved
 
 
+def _cpu_float32_linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights a re-layout applies to: float32 `nn.Linear` weights on the CPU."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)
+            and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+
+
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """The distinct [out, in] shapes of the float32 CPU Linear weights a re-layout would move."""
-    shapes = {tuple(m.weight.shape) for m in model.modules()
-              if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32}
-    return sorted(shapes)
+    """The distinct [out, in] shapes of the weights a re-layout would move."""
+    return sorted({tuple(weight.shape) for weight in _cpu_float32_linear_weights(model)})
 
 
 def probe_linear_layout(shapes: list[tuple[int, int]], rows: tuple[int, ...] = PROBE_ROWS,
