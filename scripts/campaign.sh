@@ -143,7 +143,8 @@ SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
 [ -f "$C/eval/train-$ROUND.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --output "$C/eval/train-$ROUND.json"
 
 # (4) ship only a better drafter; the ledger keeps every round's numbers
-.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" <<'EOF'
+.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" "${LR:-6e-4}" \
+    "$FOLDERS" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 
@@ -157,7 +158,8 @@ new = json.loads((campaign / "eval" / f"train-{round_}.json").read_text())["doma
 history = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
 better = all(new[d]["tau"] > old[d]["tau"] for d in old)
 entry = {"round": int(round_), "shipped_before": shipped_hash, "heldout_before": old, "heldout_after": new,
-         "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "shipped": better}
+         "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "lr": float(sys.argv[7]),
+         "data": sys.argv[8].split(","), "shipped": better}
 with open(ledger_path, "a") as ledger:
     ledger.write(json.dumps(entry) + "\n")
 print(json.dumps(entry, indent=1))

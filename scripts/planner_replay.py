@@ -3,7 +3,8 @@ mercy of a noisy machine: every generation runs for real (the target's real verd
 outputs, token-identical to plain decoding), but its time is the modeled cost of the steps it
 took: each verify pass costs verify(width) and each model drafting pass a fixed time, from a
 cost file (measured once, idle: `--measure`). The planner itself is fed the same modeled
-costs instead of its timings. Result: each method's speedup over plain decoding as the
+costs instead of its timings. Every turn of a prompt runs, each after the method's own
+answers, as in the bench. Result: each method's speedup over plain decoding as the
 cost model sees it, per prompt and as a geometric mean per dataset.
 
     python scripts/planner_replay.py --measure --threads 2 --costs runs/replay/costs.json   # idle
@@ -165,13 +166,18 @@ for dataset in datasets:
     for prompt in load_prompts(dataset, args.data_dir, args.limit, 0)[: args.limit]:
         outputs, line = [], []
         for method in methods:
-            Clock.seconds = 0.0
-            messages = [{"role": "user", "content": prompt.turns[0]}] if target.has_chat_template else prompt.turns[0]
+            Clock.seconds, messages, new_tokens, token_ids = 0.0, [], 0, []
             if args.trace:
                 decoders[method].trace.clear()
-            result = decoders[method].generate(messages, max_new_tokens=args.max_new_tokens, temperature=0.0)
-            outputs.append(result.token_ids)
-            speedup = result.stats.new_tokens * verify_cost(1) / Clock.seconds
+            for turn in prompt.turns if target.has_chat_template else prompt.turns[:1]:  # every turn, as the bench
+                messages.append({"role": "user", "content": turn})
+                result = decoders[method].generate(messages if target.has_chat_template else turn,
+                                                   max_new_tokens=args.max_new_tokens, temperature=0.0)
+                messages.append({"role": "assistant", "content": result.text})  # the next turn follows OUR answer
+                token_ids.append(result.token_ids)
+                new_tokens += result.stats.new_tokens
+            outputs.append(token_ids)
+            speedup = new_tokens * verify_cost(1) / Clock.seconds
             speedups[method][dataset].append(speedup)
             line.append(f"{method} {speedup:.2f}")
         if any(output != outputs[0] for output in outputs):

@@ -101,6 +101,20 @@ def test_ancestor_mask_and_walk():
     assert walk(tokens, parents, [99, 0, 0, 0, 0]) == ([], 99)
 
 
+def test_committed_depth_follows_the_written_tokens_along_the_tree():
+    from blockspec.decoding.tree import committed_depth
+
+    # anchor -> 10 -> (20 -> 30 | 21); anchor -> 11
+    tokens, parents = [10, 11, 20, 21, 30], [-1, -1, 0, 0, 2]
+    assert committed_depth(tokens, parents, []) == (0, False)  # nothing written yet
+    assert committed_depth(tokens, parents, [10]) == (1, False)  # 10 has children: the next token decides
+    assert committed_depth(tokens, parents, [10, 21]) == (2, True)  # a leaf
+    assert committed_depth(tokens, parents, [10, 20, 30, 5]) == (3, True)
+    assert committed_depth(tokens, parents, [10, 22]) == (1, True)  # left the tree
+    assert committed_depth(tokens, parents, [12]) == (0, True)
+    assert committed_depth([], [], []) == (0, True)
+
+
 # --- T = 0: token-identical to greedy decoding ----------------------------------------------
 
 def tree_drafter(kind, target, prompt, ref):
@@ -172,6 +186,50 @@ def test_a_tree_cut_to_nothing_is_recorded_as_wasted_drafting_and_the_step_is_pl
     assert_same_or_near_tie(target.model, prompt, out, ref)
     assert planner.drafting_outcomes and all(planner.drafting_outcomes)  # every drafted tree was cut
     assert stats.tree_steps == 0 and stats.tau == 1.0
+
+
+def test_a_tree_cut_to_nothing_still_teaches_the_planner_its_sources_rates():
+    """A withdrawn draft (its tree cut to no node) is scored against what the target then
+    writes, once that decides it, and reaches the planner as evidence for its source: else a
+    source whose trees keep being cut never learns how its drafts fare, and its plan stays
+    where the pooled prior puts it (session 22: 32 steps of one MT-Bench prompt paid a
+    drafting pass for a plain step)."""
+    from blockspec.decoding.planner import DraftPlanner
+
+    class DraftAllCutAll(DraftPlanner):
+        """Drafts in full every step, then cuts every tree to nothing."""
+
+        def __init__(self, max_drafts):
+            super().__init__(max_drafts)
+            self.observed = []  # (source, drafted, accepted) of every observation
+
+        def plan_sources(self, rows):
+            offers = [next(iter(row.items())) for row in rows]
+            return [source for source, _ in offers], [min(self.max_drafts, allowed) for _, (_, allowed) in offers]
+
+        def tree_size(self, batch, gains):
+            return 0
+
+        def observe(self, evidence, drafted, accepted, predicted=None, nodes=None):
+            self.observed.append((evidence.source, drafted, accepted))
+            super().observe(evidence, drafted, accepted, predicted, nodes)
+
+    def run(drafted_text):
+        planner = DraftAllCutAll(7)
+        drafter = TreeOracleDrafter(prompt + drafted_text, top_k=1, miss_prob=0.0)  # top-1: `drafted_text`
+        engine = SpecEngine(target, drafter, 8, adaptive=True, planner=planner, tree_budget=10)
+        out = [t for chunk in engine.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=EOS) for t in chunk]
+        assert out == ref  # plain steps only: exactly greedy
+        return planner.observed
+
+    target = target_for("llama")
+    prompt, ref = PROMPTS["len23"], reference("llama", "len23")
+    observed = run(ref)  # every draft right: decided only once the target wrote all of it
+    assert len(observed) >= len(ref) - 8
+    assert all(source == "model" and drafted > 0 and accepted == drafted for source, drafted, accepted in observed)
+    observed = run([(t + 1) % target.vocab_size for t in ref])  # every draft wrong at once: decided the next step
+    assert len(observed) >= len(ref) - 2
+    assert all(drafted > 0 and accepted == 0 for _, drafted, accepted in observed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -36,7 +36,7 @@ from blockspec.decoding.draft import NO_DRAFT, Draft, DraftRequest, Drafter
 from blockspec.decoding.planner import AcceptanceEvidence, DraftPlanner
 from blockspec.decoding.sampling import SamplingParams, TokenSampler, next_token
 from blockspec.decoding.stats import GenerationStats
-from blockspec.decoding.tree import build_tree, check_budget, depths
+from blockspec.decoding.tree import build_tree, check_budget, committed_depth, depths
 from blockspec.decoding.verify import cut_after_stop, record_logprobs, verify
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.kv import SingleSequenceKV, SlotKV, TargetKV
@@ -63,9 +63,25 @@ class Row:
     # committed since the drafter last saw the sequence: shown to it when it drafts next
     unseen_ids: list = field(default_factory=list)
     unseen_features: list = field(default_factory=list)
+    # trees the planner cut to no node after the drafter ran, not scored yet: (anchor index,
+    # source, the tree as the plan sized it: tokens, parents)
+    withdrawn: list = field(default_factory=list)
     cancelled: bool = False
     error: Exception | None = None  # set when this row failed on its own
     decode_started: float = 0.0
+
+    def decided_withdrawn(self) -> list[tuple[str, int, int]]:
+        """The withdrawn trees that the committed tokens now decide, as (source, the tree's
+        depth, how deep the target's tokens ran along it); the rest stay until decided."""
+        decided, pending = [], []
+        for anchor, source, tokens, parents in self.withdrawn:
+            accepted, done = committed_depth(tokens, parents, self.tokens[anchor + 1:])
+            if done:
+                decided.append((source, max(depths(parents)), accepted))
+            else:
+                pending.append((anchor, source, tokens, parents))
+        self.withdrawn = pending
+        return decided
 
     def evidence_for(self, source: str) -> AcceptanceEvidence:
         if source not in self.evidence:
@@ -280,7 +296,10 @@ class SpecEngine:
                 offers.append(None)
                 continue
             sources = row.drafter.next_sources(ids)
-            for source, proposed, accepted in row.drafter.undrafted_outcomes():
+            # evidence from proposals that were not verified: a free source's continuations
+            # (the drafter's), and drafts whose tree was cut to nothing (else a source whose trees
+            # keep being cut never learns its rates fell, and keeps being planned, paying its pass)
+            for source, proposed, accepted in row.drafter.undrafted_outcomes() + row.decided_withdrawn():
                 self.planner.observe(row.evidence_for(source), proposed, accepted)
             offers.append({source: (row.evidence_for(source), count if most is None else min(count, most))
                            for source, most in sources.items()} or None)
@@ -321,6 +340,10 @@ class SpecEngine:
         for i, tree in grown.items():
             tree = tree.first(size)
             if not len(tree):
+                planned = grown[i].first(plan[i])  # what the plan expected to verify
+                if len(planned):
+                    row = self.rows[i]
+                    row.withdrawn.append((len(row.tokens) - 1, row.source or "model", planned.tokens, planned.parents))
                 drafts[i] = NO_DRAFT
                 continue
             drafts[i] = Draft(torch.tensor(tree.tokens, dtype=torch.long), parents=tree.parents)

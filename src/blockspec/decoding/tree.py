@@ -147,3 +147,20 @@ def walk(tokens: list[int], parents: list[int], target_next: list[int]) -> tuple
             return path, token
         path.append(child)
         node = child
+
+
+def committed_depth(tokens: list[int], parents: list[int], committed: list[int]) -> tuple[int, bool]:
+    """How deep the tokens the target committed after the anchor run along the tree (what a
+    verify of it would have accepted, at T = 0), and whether that is decided: a committed
+    token leaves the tree, or the path reached a leaf. Undecided: the target has not
+    written that far yet."""
+    children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+    inner = set(parents)  # the nodes with a child
+    node = -1
+    for depth, token in enumerate(committed):
+        node = children.get((node, token), -2)
+        if node == -2:
+            return depth, True
+        if node not in inner:
+            return depth + 1, True
+    return len(committed), not tokens
