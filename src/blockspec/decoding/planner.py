@@ -7,7 +7,9 @@ Goodput of a plan = (rows + expected accepted drafts) / (verify seconds + drafti
   accepted), from per-position acceptance rates: the row's recent evidence, aged every
   step, over a prior, the pooled rates of every row; times the share of the source's recent
   drafting steps that reached the verify at all (a tree cut to no node after the drafter ran
-  is a drafting pass that paid for a plain step).
+  is a drafting pass that paid for a plain step). Such a tree, as the plan sized it, is still
+  scored against the tokens the target then writes (the engine's `Row.decided_withdrawn`), so
+  a source whose trees keep being cut learns its rates as if they had been verified.
 - Verify seconds: measured per verify size (query tokens over the batch, padding included:
   it is computed too), by power-of-two bucket. A verify pass costs about the same for 1 to
   8 tokens on a CPU and grows beyond, so the size of the pass, not the batch, is the key.
