@@ -30,6 +30,7 @@ from pathlib import Path
 
 from blockspec.bench.costs import measure_costs
 from blockspec.bench.datasets import load_prompts
+from blockspec.bench.runner import run_prompt
 from blockspec.decoding.planner import DraftPlanner
 from blockspec.drafters.registry import load_drafter
 from blockspec.pipeline import SpecDecoder
@@ -166,18 +167,12 @@ for dataset in datasets:
     for prompt in load_prompts(dataset, args.data_dir, args.limit, 0)[: args.limit]:
         outputs, line = [], []
         for method in methods:
-            Clock.seconds, messages, new_tokens, token_ids = 0.0, [], 0, []
+            Clock.seconds = 0.0
             if args.trace:
                 decoders[method].trace.clear()
-            for turn in prompt.turns if target.has_chat_template else prompt.turns[:1]:  # every turn, as the bench
-                messages.append({"role": "user", "content": turn})
-                result = decoders[method].generate(messages if target.has_chat_template else turn,
-                                                   max_new_tokens=args.max_new_tokens, temperature=0.0)
-                messages.append({"role": "assistant", "content": result.text})  # the next turn follows OUR answer
-                token_ids.append(result.token_ids)
-                new_tokens += result.stats.new_tokens
-            outputs.append(token_ids)
-            speedup = new_tokens * verify_cost(1) / Clock.seconds
+            sample = run_prompt(decoders[method], prompt, args.max_new_tokens, 0.0, 0)  # every turn, as the bench
+            outputs.append(sample.token_ids)
+            speedup = sample.new_tokens * verify_cost(1) / Clock.seconds
             speedups[method][dataset].append(speedup)
             line.append(f"{method} {speedup:.2f}")
         if any(output != outputs[0] for output in outputs):
