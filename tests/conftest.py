@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from blockspec.decoding.draft import Drafter
 from blockspec.targets.adapter import TargetAdapter
-from blockspec.targets.layout import store_linear_weights_transposed
+from blockspec.targets.linear_kernels import onednn_available, use_linear_kernels
 
 transformers.utils.logging.set_verbosity_error()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -48,12 +48,19 @@ def tiny_model(arch: str, seed: int = 0, **kwargs):
     return model
 
 
+# Every kernel `load_target` may pick (targets/linear_kernels.py), each at some pass widths: a plain
+# step, chains and trees of every size then run through all of them in the engine's tests.
+MIXED_KERNELS = {1: "weight-first", 2: "onednn", 4: "linear", 8: "onednn", 16: "weight-first", 33: "linear",
+                 64: "onednn"}
+
+
 def tiny_target(arch: str, seed: int = 0, **kwargs) -> TargetAdapter:
-    """As `load_target` builds one: the adapter, then the Linear weights stored transposed (the
-    layout it picks where this machine measures it faster, targets/layout.py; transformers' own
-    row-major layout runs in the tests that build models without this)."""
+    """As `load_target` builds one: the adapter, then its Linear products dispatched by pass
+    width to the kernels of MIXED_KERNELS (transformers' own F.linear runs in the tests that
+    build models without this)."""
     target = TargetAdapter(tiny_model(arch, seed, **kwargs), tokenizer=None, name=f"tiny-{arch}")
-    store_linear_weights_transposed(target.model)
+    kernels = {rows: k if k != "onednn" or onednn_available() else "linear" for rows, k in MIXED_KERNELS.items()}
+    use_linear_kernels(target.model, kernels)
     return target
 
 

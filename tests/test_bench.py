@@ -191,12 +191,11 @@ def test_paired_comparison_cancels_the_spread_between_prompts(tmp_path):
     pooled = comparisons[("other", "all")]
     assert pooled["prompts"] == 9 and 1.0 < pooled["ci95"][0] < pooled["ratio"] < pooled["ci95"][1] < 1.1
     assert runner.paired_comparisons(rows, methods[:2]) == []  # nothing to compare with
-    layout = {"layout": "row-major", "ratio": [1.05, 0.97], "source": "measured"}
-    report(rows, tmp_path, {"paired": list(comparisons.values()), "linear_layout": layout})
+    kernels = {"kernels": {2: "weight-first", 1: "onednn"}, "source": "measured"}
+    report(rows, tmp_path, {"paired": list(comparisons.values()), "linear_kernels": kernels})
     table = (tmp_path / "table.md").read_text()
     assert "| subject | other | d | 6 | 1.10x | 1.10-1.10 |" in table
-    assert ("Target Linear weights stored row-major (measured; transposed / row-major time 1.05x at 9 rows, "
-            "0.97x at 33 rows).") in table
+    assert "Target Linear kernels by rows in the pass (measured): 1: onednn, 2: weight-first." in table
     assert json.loads((tmp_path / "results.json").read_text())["rows"][1]["speedup_by_prompt"]
 
 

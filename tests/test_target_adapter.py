@@ -11,7 +11,8 @@ from transformers import DynamicCache
 
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import TargetAdapter, crop_cache_to_length
-from blockspec.targets.layout import store_linear_weights_transposed
+from blockspec.targets.linear_kernels import (KERNELS, PROBE_ROWS, RowDispatchLinear, kernel_table, onednn_available,
+                                             probe_linear_kernels, use_linear_kernels)
 from conftest import ARCHITECTURES, tiny_config, tiny_model, tiny_target
 
 
@@ -105,112 +106,143 @@ def test_sdpa_own_gqa_gives_the_repeated_heads_numbers(arch, monkeypatch):
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_transposed_weight_storage_keeps_the_numbers(arch):
-    """load_target stores each Linear weight as the transpose of a contiguous [in, out]
-    matrix (faster few-row products on CPU BLAS): the same Parameters with the same values, a
-    tied head still tied, and a tree verify pass (mask, sliding windows) with the same logits
-    up to float rounding."""
+def test_every_linear_kernel_keeps_the_numbers_and_the_parameters(arch, kernel):
+    """Each kernel `load_target` may pick computes the Linear products of a tree verify pass
+    (mask, sliding windows) with transformers' own logits up to float rounding, on the same
+    Parameters (a tied head still tied), and hands anything needing gradients to F.linear."""
     from blockspec.targets.kv import SlotKV
 
-    logits, layouts = {}, {}
-    for transposed in (False, True):
+    if kernel == "onednn" and not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear kernels")
+    logits = {}
+    for dispatched in (False, True):
         torch.manual_seed(0)
         config = tiny_config(arch)
         config.tie_word_embeddings = True
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         target = TargetAdapter(model, tokenizer=None, name=arch)
-        before = {name: p.detach().clone() for name, p in model.named_parameters()}
         parameters = dict(model.named_parameters())
-        moved = store_linear_weights_transposed(model) if transposed else 0
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        layouts[transposed] = (moved, [m.weight.is_contiguous() for m in linears])
-        assert dict(model.named_parameters()).keys() == parameters.keys()
-        for name, p in model.named_parameters():
-            assert p is parameters[name] and torch.equal(p, before[name]), name
+        replaced = use_linear_kernels(model, {rows: kernel for rows in PROBE_ROWS}) if dispatched else 0
+        assert replaced == (sum(isinstance(m, torch.nn.Linear) for m in tiny_model(arch).modules()) if dispatched else 0)
+        assert dict(model.named_parameters()) == parameters  # the same Parameter objects
         assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
         kv = SlotKV(target)
         kv.prefill(torch.arange(2, 30))
-        logits[transposed], _ = kv.verify([[5, 6, 7, 8, 9]], [[-1, 0, 0, 2]])
-    moved, contiguous = layouts[True]
-    assert moved == len(contiguous) > 0 and not any(contiguous)  # every Linear of the body (the head is SkinnyHead)
-    assert all(layouts[False][1])
+        logits[dispatched], _ = kv.verify([[5, 6, 7, 8, 9]], [[-1, 0, 0, 2]])
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+    head = model.get_output_embeddings()
+    hidden = torch.randn(3, config.hidden_size, requires_grad=True)
+    head(hidden).sum().backward()  # F.linear under autograd: a gradient, and the same one
+    torch.testing.assert_close(hidden.grad, head.weight.sum(0).expand(3, -1).detach())
 
 
-def test_transposed_storage_leaves_other_weights_alone():
-    """Only float32 CPU Linear weights move: a bf16 model keeps its layout, and a second call
-    moves nothing."""
+def test_each_pass_width_takes_the_kernel_of_the_smallest_probed_width_at_least_as_wide(monkeypatch):
+    from blockspec.targets import linear_kernels
+
+    table = kernel_table({1: "weight-first", 4: "onednn", 16: "linear"})
+    assert table[1:] == ["weight-first"] + ["onednn"] * 3 + ["linear"] * 12
+    layer = RowDispatchLinear(torch.nn.Linear(8, 5), table) if onednn_available() else None
+    if layer is None:
+        pytest.skip("this torch build has no oneDNN linear kernels")
+    used = []
+    monkeypatch.setattr(linear_kernels, "_onednn", lambda flat, packed, bias: used.append(flat.shape[0]) or
+                        torch.nn.functional.linear(flat, layer.weight, bias))
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 9, 40):
+            expected = torch.nn.functional.linear(torch.ones(1, rows, 8), layer.weight, layer.bias)
+            torch.testing.assert_close(layer(torch.ones(1, rows, 8)), expected)
+    assert used == [3, 4]  # 40 rows: beyond the table, its widest entry (linear)
+
+
+def test_linear_kernels_leave_other_weights_alone(monkeypatch):
+    """Only float32 CPU Linears are dispatched: a bf16 model keeps its modules, nothing is
+    measured."""
+    from blockspec.targets import linear_kernels
+
+    monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda *a, **k: pytest.fail("measured"))
     model = tiny_model("llama").to(torch.bfloat16)
-    assert store_linear_weights_transposed(model) == 0
+    assert linear_kernels.speed_up_linears(model) == {"kernels": {}, "source": "not-applicable"}
+    assert not any(isinstance(m, RowDispatchLinear) for m in model.modules())
+
+
+def test_linear_kernel_named_in_the_environment_is_applied_without_measuring(monkeypatch, tmp_path):
+    from blockspec.targets import linear_kernels
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "weight-first")
     model = tiny_model("llama")
-    assert store_linear_weights_transposed(model) > 0
-    assert store_linear_weights_transposed(model) == 0
+    choice = linear_kernels.speed_up_linears(model)
+    assert choice == {"kernels": {rows: "weight-first" for rows in PROBE_ROWS}, "source": "env"}
+    assert all(isinstance(m, RowDispatchLinear) and m.packed is None for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, RowDispatchLinear)))
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "linear")  # transformers' own: the modules stay
+    model = tiny_model("llama")
+    linear_kernels.speed_up_linears(model)
+    assert not any(isinstance(m, RowDispatchLinear) for m in model.modules())
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "gemv")
+    with pytest.raises(InvalidArgumentError, match="BLOCKSPEC_LINEAR_KERNEL='gemv'.*auto, linear, weight-first, onednn"):
+        linear_kernels.choose_linear_kernels(tiny_model("llama"))
 
 
-def test_linear_layout_named_in_the_environment_is_applied_without_measuring(monkeypatch, tmp_path):
-    from blockspec.targets import layout
-
-    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(layout, "probe_linear_layout", lambda *a, **k: pytest.fail("measured"))
-    for name, contiguous in (("transposed", False), ("row-major", True)):
-        monkeypatch.setenv(layout.LAYOUT_ENV, name)
-        model = tiny_model("llama")
-        assert layout.lay_out_linear_weights(model) == {"layout": name, "source": "env"}
-        assert all(m.weight.is_contiguous() == contiguous for m in model.modules() if isinstance(m, torch.nn.Linear))
-    monkeypatch.setenv(layout.LAYOUT_ENV, "columns")
-    with pytest.raises(InvalidArgumentError, match="BLOCKSPEC_LINEAR_LAYOUT='columns'.*auto, row-major, transposed"):
-        layout.choose_linear_layout(tiny_model("llama"))
-
-
-@pytest.mark.parametrize("ratio, expected", [([0.85, 0.9], "transposed"), ([0.8, 0.95], "row-major"),
-                                             ([1.1, 1.0], "row-major")])
-def test_auto_linear_layout_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path, ratio, expected):
-    """`auto` lays the weights out transposed only when this machine measured it clearly
-    faster at every probed size; the answer is kept (atomically, in the cache dir) so later loads agree without a
-    probe; another thread count is another question; a corrupt cache file is measured again."""
-    from blockspec.targets import layout
+@pytest.mark.parametrize("times, expected", [
+    ({1: {"linear": 1.0, "weight-first": 0.8, "onednn": 1.2}, 8: {"linear": 1.0, "weight-first": 0.95, "onednn": 0.6}},
+     {1: "weight-first", 8: "onednn"}),
+    # the fastest by less than GAIN_NEEDED: transformers' own stays
+    ({1: {"linear": 1.0, "weight-first": 0.97, "onednn": 1.2}, 8: {"linear": 0.5, "weight-first": 0.9, "onednn": 0.6}},
+     {1: "linear", 8: "linear"})])
+def test_auto_linear_kernels_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path, times, expected):
+    """`auto` takes per probed width the kernel this machine measured clearly fastest; the
+    answer is kept (atomically, in the cache dir) so later loads agree without a probe; another
+    thread count is another question; a corrupt cache file is measured again."""
+    from blockspec.targets import linear_kernels
 
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
-    monkeypatch.delenv(layout.LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
     probes = []
-    monkeypatch.setattr(layout, "probe_linear_layout", lambda shapes: probes.append(shapes) or ratio)
+    monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda shapes, kernels: probes.append(shapes) or times)
     model = tiny_model("llama")
-    first = layout.lay_out_linear_weights(model)
-    assert first == {"layout": expected, "ratio": ratio, "source": "measured"}
-    assert probes == [layout.linear_shapes(tiny_model("llama"))]
-    assert all(m.weight.is_contiguous() == (expected == "row-major")
-               for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert layout.choose_linear_layout(tiny_model("llama")) == {"layout": expected, "ratio": ratio, "source": "cached"}
-    assert len(probes) == 1
+    first = linear_kernels.speed_up_linears(model)
+    assert first["kernels"] == expected and first["source"] == "measured"
+    assert probes == [linear_kernels.linear_shapes(tiny_model("llama"))]
+    dispatched = any(isinstance(m, RowDispatchLinear) for m in model.modules())
+    assert dispatched == (set(expected.values()) != {"linear"})
+    again = linear_kernels.choose_linear_kernels(tiny_model("llama"))
+    assert again["kernels"] == expected and again["source"] == "cached" and len(probes) == 1
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        assert layout.choose_linear_layout(tiny_model("llama"))["source"] == "measured"
+        assert linear_kernels.choose_linear_kernels(tiny_model("llama"))["source"] == "measured"
     finally:
         torch.set_num_threads(threads)
-    assert len(probes) == 2 and len(json.loads((tmp_path / "linear-layout.json").read_text())) == 2
-    (tmp_path / "linear-layout.json").write_text("{not json")
-    assert layout.choose_linear_layout(tiny_model("llama"))["source"] == "measured"
+    assert len(probes) == 2 and len(json.loads((tmp_path / "linear-kernels.json").read_text())) == 2
+    (tmp_path / "linear-kernels.json").write_text("{not json")
+    assert linear_kernels.choose_linear_kernels(tiny_model("llama"))["source"] == "measured"
 
 
-def test_linear_layout_leaves_models_it_cannot_speed_up_alone(monkeypatch):
-    """A bf16 model has no float32 CPU Linear to move: nothing is measured or changed."""
-    from blockspec.targets import layout
+def test_onednn_is_not_probed_where_its_second_copy_would_not_fit(monkeypatch, tmp_path):
+    from blockspec.targets import linear_kernels
 
-    monkeypatch.delenv(layout.LAYOUT_ENV, raising=False)
-    monkeypatch.setattr(layout, "probe_linear_layout", lambda *a, **k: pytest.fail("measured"))
-    model = tiny_model("llama").to(torch.bfloat16)
-    assert layout.lay_out_linear_weights(model) == {"layout": "row-major", "source": "not-applicable"}
-    assert all(p.is_contiguous() for p in model.parameters())
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(linear_kernels, "_memory_available", lambda: 1000)  # bytes: less than the weights
+    probed = []
+    monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda shapes, kernels: probed.append(kernels) or
+                        {1: {k: 1.0 for k in kernels}})
+    linear_kernels.choose_linear_kernels(tiny_model("llama"))
+    assert probed == [("linear", "weight-first")]
 
 
-def test_linear_layout_probe_times_both_layouts():
-    """The real probe (tiny shapes, a MB): a positive, finite time ratio per row count."""
-    from blockspec.targets.layout import probe_linear_layout
-
-    ratios = probe_linear_layout([(96, 64), (64, 96)], rows=(1, 3), probe_bytes=1 << 20, repeats=3)
-    assert len(ratios) == 2 and all(0 < ratio < float("inf") for ratio in ratios)
+def test_linear_kernel_probe_times_every_kernel():
+    """The real probe (tiny shapes, a MB): a positive, finite time per kernel and row count."""
+    kernels = KERNELS if onednn_available() else ("linear", "weight-first")
+    times = probe_linear_kernels([(96, 64), (64, 96)], kernels, rows=(1, 3), probe_bytes=1 << 20, repeats=2)
+    assert set(times) == {1, 3} and all(set(by_kernel) == set(kernels) and all(0 < t < float("inf") for t in
+                                                                                  by_kernel.values())
+                                        for by_kernel in times.values())
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

@@ -566,9 +566,10 @@ def _import(args) -> int:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from blockspec.bench.runner import (DEFAULT_METHODS, describe_linear_layout, machine_description,
+    from blockspec.bench.runner import (DEFAULT_METHODS, machine_description,
                                         paired_comparisons, parse_methods, report, run_bench, summarize)
     from blockspec.drafters.registry import shipped_drafter_for
+    from blockspec.targets.linear_kernels import describe_linear_kernels
     from blockspec.targets.loading import load_target
 
     if args.temperature < 0:
@@ -589,7 +590,7 @@ def _bench(args) -> int:
                        repeats=args.repeats)
     meta = {"target": target.name, "drafter": drafter, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed, "repeats": args.repeats, "command": " ".join(sys.argv),
-            "machine": machine_description(), "linear_layout": target.linear_layout}
+            "machine": machine_description(), "linear_kernels": target.linear_kernels}
     rows = summarize(result, methods)
     meta["paired"] = paired_comparisons(rows, methods)
     from blockspec.bench.costs import measure_costs
@@ -614,7 +615,7 @@ def _bench(args) -> int:
     print(f"memory bandwidth {meta['roofline']['bandwidth_gb_s']:.1f} GB/s, {meta['roofline']['bytes_per_step_mb']:.0f} MB "
           f"read per decode step -> plain decoding ceiling {meta['roofline']['ceiling_tokens_per_s']:.1f} tokens/s"
           + (f"; the baseline reached {baseline_rate:.1f} tokens/s" if baseline_rate else ""))
-    print(describe_linear_layout(target.linear_layout))
+    print(describe_linear_kernels(target.linear_kernels))
     if not args.no_memory:
         from blockspec.bench.datasets import load_prompts
         from blockspec.bench.memory import measure_in_subprocess

@@ -328,7 +328,7 @@ def machine_description() -> dict:
 
     import blockspec
 
-    from blockspec.targets.layout import cpu_name
+    from blockspec.targets.linear_kernels import cpu_name
 
     return {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
@@ -346,18 +346,6 @@ def _markdown_row(r: dict) -> str:
     return (f"| {r['method']} | {r['dataset']} | {r['prompts']} | {r['speedup_median']:.2f}x | "
             f"{r['speedup_p25']:.2f}-{r['speedup_p75']:.2f} | {r['tau']:.2f} | {accepted} | {r['tokens_per_s']:.1f} | "
             f"{r['ttft_s_median'] * 1e3:.0f} | {r['mismatches']} | {r['agreement']:.2f} | {accuracy} |")
-
-
-def describe_linear_layout(choice: dict) -> str:
-    """One line on how the target's Linear weights were stored (targets/layout.py): numbers
-    from two machines are comparable only knowing it."""
-    from blockspec.targets.layout import PROBE_ROWS
-
-    line = f"Target Linear weights stored {choice['layout']} ({choice['source']}"
-    if choice.get("ratio"):
-        line += "; transposed / row-major time " + ", ".join(
-            f"{ratio:.2f}x at {rows} rows" for ratio, rows in zip(choice["ratio"], PROBE_ROWS))
-    return line + ")."
 
 
 def report(rows: list[dict], output: Path, meta: dict) -> None:
@@ -395,8 +383,10 @@ def report(rows: list[dict], output: Path, meta: dict) -> None:
         markdown += ["", f"Memory bandwidth {line['bandwidth_gb_s']:.1f} GB/s; a decode step reads at least "
                          f"{line['bytes_per_step_mb']:.0f} MB (weights + KV at {line['context_len']} tokens): plain "
                          f"decoding cannot exceed {line['ceiling_tokens_per_s']:.1f} tokens/s here."]
-    if meta.get("linear_layout"):
-        markdown += ["", describe_linear_layout(meta["linear_layout"])]
+    if meta.get("linear_kernels"):
+        from blockspec.targets.linear_kernels import describe_linear_kernels
+
+        markdown += ["", describe_linear_kernels(meta["linear_kernels"])]
     if meta.get("peak_memory"):
         markdown += ["", "| method | RSS once loaded (MB) | peak RSS while generating (MB) | added by generating (MB) |",
                      "|---|---|---|---|"]

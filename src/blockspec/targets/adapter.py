@@ -78,7 +78,9 @@ class TargetAdapter:
 
     def __init__(self, model, tokenizer, name: str):
         head = model.get_output_embeddings()
-        if type(head) is torch.nn.Linear and head.bias is None and head.weight.device.type == "cpu":
+        # a float32 head gets its kernel with every other Linear (`load_target`, linear_kernels.py)
+        if type(head) is torch.nn.Linear and head.bias is None and head.weight.device.type == "cpu" \
+                and head.weight.dtype != torch.float32:
             model.set_output_embeddings(SkinnyHead(head))
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -91,8 +93,8 @@ class TargetAdapter:
         self.max_context: int = getattr(text_config, "max_position_embeddings", None) or 1 << 30
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # how the Linear weights are stored (targets/layout.py); `load_target` measures and sets it
-        self.linear_layout: dict = {"layout": "row-major", "source": "as-built"}
+        # which kernel runs the Linear products (targets/linear_kernels.py); `load_target` measures and sets it
+        self.linear_kernels: dict = {"kernels": {}, "source": "as-built"}
         self.eos_token_ids: tuple[int, ...] = _eos_ids(model, tokenizer)
         self.cache: DynamicCache | None = None
         # With sliding-window layers, only the tokens of the passes since the last

@@ -20,7 +20,7 @@ import torch
 
 from blockspec.errors import InvalidArgumentError, TargetNotFoundError
 from blockspec.targets.adapter import TargetAdapter
-from blockspec.targets.layout import lay_out_linear_weights
+from blockspec.targets.linear_kernels import speed_up_linears
 
 DEFAULT_TARGET = "default"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -194,6 +194,6 @@ def load_target(
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TargetNotFoundError(f"could not load target {spec!r}: {first_line}") from None
     model.to(device)
-    adapter = TargetAdapter(model, tokenizer, name=name)  # first: its LM head is then no Linear and keeps its layout
-    adapter.linear_layout = lay_out_linear_weights(adapter.model)
+    adapter = TargetAdapter(model, tokenizer, name=name)
+    adapter.linear_kernels = speed_up_linears(adapter.model)
     return adapter
