@@ -14,6 +14,7 @@ from blockspec.drafters.hybrid import HybridDrafter
 from blockspec.drafters.mtp import load_mtp
 from blockspec.drafters.prompt_lookup import PromptLookupDrafter
 from blockspec.errors import DrafterNotFoundError
+from blockspec.targets.linear_kernels import speed_up_linears
 from blockspec.targets.loading import drafter_dtype
 
 # Training-free drafters, by name.
@@ -80,5 +81,9 @@ def load_drafter(spec: str | None, target, **options) -> Drafter | None:
         raise DrafterNotFoundError(f"{config_path} is not valid JSON: {error}") from None
     for architecture in architectures:
         if architecture in CHECKPOINT_LOADERS:
-            return CHECKPOINT_LOADERS[architecture](folder, target, **options)
+            drafter = CHECKPOINT_LOADERS[architecture](folder, target, **options)
+            # its own Linear products in the kernels this machine runs fastest (as the target's;
+            # a loaded drafter only drafts: a model under an optimizer is never bound here)
+            drafter.linear_kernels = speed_up_linears(drafter.model)
+            return drafter
     raise DrafterNotFoundError(f"{folder}: unsupported drafter architectures {architectures}")
