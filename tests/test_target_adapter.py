@@ -156,14 +156,16 @@ def test_each_pass_width_takes_the_kernel_of_the_smallest_probed_width_at_least_
     assert used == [3, 4]  # 40 rows: beyond the table, its widest entry (linear)
 
 
-def test_linear_kernels_leave_other_weights_alone(monkeypatch):
-    """Only float32 CPU Linears are dispatched: a bf16 model keeps its modules, nothing is
-    measured."""
+@pytest.mark.parametrize("dtype, smallest", [(torch.bfloat16, 0), (torch.float32, 8 << 20)])
+def test_linear_kernels_leave_other_weights_alone(monkeypatch, dtype, smallest):
+    """Only float32 CPU Linears whose weights stream from memory are dispatched: a bf16 model,
+    or one a CPU cache holds, keeps its modules, nothing is measured."""
     from blockspec.targets import linear_kernels
 
     monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(linear_kernels, "SMALLEST_WEIGHT_BYTES", smallest)
     monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda *a, **k: pytest.fail("measured"))
-    model = tiny_model("llama").to(torch.bfloat16)
+    model = tiny_model("llama").to(dtype)
     assert linear_kernels.speed_up_linears(model) == {"kernels": {}, "source": "not-applicable"}
     assert not any(isinstance(m, RowDispatchLinear) for m in model.modules())
 
@@ -202,6 +204,7 @@ def test_auto_linear_kernels_are_measured_once_per_machine_and_cached(monkeypatc
 
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(linear_kernels, "SMALLEST_WEIGHT_BYTES", 0)  # the tiny model as if it streamed
     probes = []
     monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda shapes, kernels: probes.append(shapes) or times)
     model = tiny_model("llama")
@@ -228,6 +231,7 @@ def test_onednn_is_not_probed_where_its_second_copy_would_not_fit(monkeypatch, t
 
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(linear_kernels, "SMALLEST_WEIGHT_BYTES", 0)
     monkeypatch.setattr(linear_kernels, "_memory_available", lambda: 1000)  # bytes: less than the weights
     probed = []
     monkeypatch.setattr(linear_kernels, "probe_linear_kernels", lambda shapes, kernels: probed.append(kernels) or

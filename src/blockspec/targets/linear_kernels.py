@@ -44,6 +44,9 @@ PROBE_BYTES = 128 << 20  # weights streamed per probe pass: more than a CPU cach
 GAIN_NEEDED = 0.93
 # the second copy `onednn` keeps may take at most this share of the memory available at load
 ONEDNN_MEMORY_SHARE = 0.25
+# weights that fit in a CPU's caches are not streamed from memory, which is what the kernels differ
+# in (and what the probe measures): smaller models (the tests' tiny ones) keep transformers' own
+SMALLEST_WEIGHT_BYTES = 8 << 20
 
 
 def onednn_available() -> bool:
@@ -207,15 +210,17 @@ def choose_linear_kernels(model: torch.nn.Module) -> dict:
     {rows: {kernel: milliseconds}} when measured}. BLOCKSPEC_LINEAR_KERNEL=linear|weight-first|onednn
     takes one kernel at every row count; `auto` (the default) measures once per CPU model, torch
     version, thread count and set of shapes and keeps the answer in the user cache dir, so every
-    later load (and every process of a benchmark) computes the same way. `onednn` is left out
+    later load (and every process of a benchmark) computes the same way; weights under
+    SMALLEST_WEIGHT_BYTES keep transformers' own. `onednn` is left out
     where torch lacks it or its second copy of the weights would not fit comfortably in memory."""
     requested = os.environ.get(KERNEL_ENV, "auto").strip() or "auto"
     if requested not in (*KERNELS, "auto"):
         raise InvalidArgumentError(f"{KERNEL_ENV}={requested!r}: use one of auto, {', '.join(KERNELS)}")
     shapes = linear_shapes(model)
-    if not shapes:  # nothing to dispatch (a GPU or a bf16 model)
-        return {"kernels": {}, "source": "not-applicable"}
     weight_bytes = sum(linear.weight.numel() * 4 for _, _, linear in _cpu_float32_linears(model))
+    if not shapes or (requested == "auto" and weight_bytes < SMALLEST_WEIGHT_BYTES):
+        # nothing to dispatch (a GPU or a bf16 model), or weights a cache holds
+        return {"kernels": {}, "source": "not-applicable"}
     available = _memory_available()
     onednn_fits = onednn_available() and (available is None or weight_bytes <= ONEDNN_MEMORY_SHARE * available)
     if requested != "auto":
