@@ -84,6 +84,6 @@ def load_drafter(spec: str | None, target, **options) -> Drafter | None:
             drafter = CHECKPOINT_LOADERS[architecture](folder, target, **options)
             # its own Linear products in the kernels this machine runs fastest (as the target's;
             # a loaded drafter only drafts: a model under an optimizer is never bound here)
-            drafter.linear_kernels = speed_up_linears(drafter.model)
+            speed_up_linears(drafter.model)
             return drafter
     raise DrafterNotFoundError(f"{folder}: unsupported drafter architectures {architectures}")

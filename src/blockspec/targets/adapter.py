@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from blockspec.targets.cache import new_cache
+from blockspec.targets.linear_kernels import RowDispatchLinear
 
 FP16_MAX = 65504.0
 
@@ -57,31 +58,17 @@ class TargetOutput:
     features: torch.Tensor | None  # [n, len(layer_ids) * hidden] or None
 
 
-class SkinnyHead(torch.nn.Module):
-    """The LM head computed as W @ x^T. Same weight (tied weights stay tied), same
-    values up to float rounding, but on CPU BLAS this orientation is much faster for
-    the few rows of a verify pass (measured here: a 4-token verify of the default
-    target 86 -> 73 ms) and no slower for one row. Also on session 21's AMD EPYC (bare
-    head products, 2 threads): 9.5 vs 32 ms at 4 rows, 34 vs 56 ms at 33, level at one."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        return (self.weight @ flat.T).T.reshape(*hidden.shape[:-1], self.weight.shape[0])
-
-
 class TargetAdapter:
     """A causal LM plus its tokenizer, decoding one sequence on its own KV cache."""
 
     def __init__(self, model, tokenizer, name: str):
         head = model.get_output_embeddings()
-        # a float32 head gets its kernel with every other Linear (`load_target`, linear_kernels.py)
+        # A float32 head gets its kernel with every other Linear (`load_target`); another CPU
+        # head is computed as W @ x^T at every width: much faster than F.linear for the few rows
+        # of a verify pass (a 4-token verify of the default target 86 -> 73 ms) and no slower for one.
         if type(head) is torch.nn.Linear and head.bias is None and head.weight.device.type == "cpu" \
                 and head.weight.dtype != torch.float32:
-            model.set_output_embeddings(SkinnyHead(head))
+            model.set_output_embeddings(RowDispatchLinear(head, ["weight-first"]))
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
