@@ -48,10 +48,20 @@ $BS bench-serve --data-dir "$DATA" --concurrency 1,4 --requests 8 --max-new-toke
 # session 15: round 10's drafter, idle, 2 threads
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,default,prompt-lookup,default-chain,dflash-b8 --output runs/bench-s15
-# session 16 (what the README table shows now): round 11's drafter, the planner counting wasted
+# session 16: round 11's drafter, the planner counting wasted
 # drafting, idle, 2 threads
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,default,prompt-lookup,default-chain,dflash-b8 --output runs/bench-s16
 # session 16: MT-Bench again on 16 other questions (--seed 1 picks the subset)
 $BS bench --data-dir "$DATA" --datasets mt_bench --limit 16 --seed 1 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s16-mt16
+
+# session 24 (what the README table shows now): round 11's drafter, the Linear kernels chosen per pass
+# width (session 23), idle, 2 threads; the four methods people compare twice per prompt, then DFlash
+# alone as B=8 / B=16 chains and a fixed 32-node tree
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --datasets gsm8k,math500,humaneval,mt_bench --repeats 2 \
+    --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s24
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --datasets gsm8k,math500,humaneval,mt_bench \
+    --methods baseline,dflash-b8,dflash-b16,dflash-tree-n32 --output runs/bench-s24b
