@@ -26,7 +26,7 @@ demo: install
 	$(VENV)/bin/blockspec generate "A bakery sells muffins for 3 dollars each and cookies for 2 dollars each. Mia buys 4 muffins and 5 cookies. How much does she spend? Reason step by step." --max-new-tokens 96 --compare
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 clean:
 	rm -rf $(VENV) src/*.egg-info .pytest_cache

@@ -13,8 +13,10 @@ cost model sees it, per prompt and as a geometric mean per dataset.
 
 Methods: `lookup` (prompt lookup, 7 drafts every step, unplanned), `default` (the hybrid
 drafter, planned, 32-node trees), `chain` (the same with chains), each planned one with
-`:ATTR=VALUE` options set on its DraftPlanner (e.g. `decay=0.7`) and `:no-undrafted` (the
-planner gets no evidence from lookup's undrafted continuations). `--cost-noise S`: the planners
+`:ATTR=VALUE` options set on its DraftPlanner (e.g. `decay=0.7`), `:no-undrafted` (the
+planner gets no evidence from lookup's undrafted continuations) and `:line-costs` (the planner
+reads a size between its cost buckets along the line through their mean sizes, instead of at
+its bucket's seconds; session 25: it did not pay, docs/benchmarks.md). `--cost-noise S`: the planners
 learn the modeled costs as a busy machine would time them (times exp(|N(0, S)|), seeded), to
 see how much a variant leans on cost differences that noise blurs.
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 from blockspec.bench.costs import measure_costs
 from blockspec.bench.datasets import load_prompts
 from blockspec.bench.runner import run_prompt
-from blockspec.decoding.planner import DraftPlanner
+from blockspec.decoding.planner import CostTable, DraftPlanner, size_bucket
 from blockspec.drafters.registry import load_drafter
 from blockspec.pipeline import SpecDecoder
 from blockspec.targets.loading import load_target
@@ -104,6 +106,39 @@ class ModeledPlanner(DraftPlanner):
                        noisy(DRAFT_S) if source == "model" else 0.0, source)
 
 
+class LineCostTable(CostTable):
+    """Session 25's variant: per bucket, the mean size measured beside the mean seconds; a size
+    between two measured buckets read on the line through them (below the first: its seconds
+    if in its bucket, else 0; past the last: the highest seconds)."""
+
+    def __init__(self, decay: float, stale_after: int):
+        super().__init__(decay, stale_after)
+        self.sizes: dict[int, float] = {}
+
+    def record(self, size: int, seconds: float, now: int) -> None:
+        bucket = size_bucket(size)
+        fresh = bucket in self.seconds and now - self.measured_at[bucket] <= self.stale_after
+        self.sizes[bucket] = self.decay * self.sizes[bucket] + (1 - self.decay) * size if fresh else float(size)
+        super().record(size, seconds, now)
+
+    def estimates(self, now):
+        points = sorted((self.sizes[bucket], seconds, bucket) for bucket, seconds in self.fresh(now).items())
+
+        def estimate(size: int) -> float:
+            if not points:
+                return 0.0
+            if size <= points[0][0]:
+                return points[0][1] if size_bucket(size) == points[0][2] else 0.0
+            if size >= points[-1][0]:
+                return max(seconds for _, seconds, _ in points)
+            for (size_a, seconds_a, _), (size_b, seconds_b, _) in zip(points, points[1:]):
+                if size <= size_b:
+                    return seconds_a + (seconds_b - seconds_a) * (size - size_a) / max(size_b - size_a, 1e-9)
+            raise AssertionError("unreachable: the size lies between the first and the last point")
+
+        return estimate
+
+
 def build(method: str) -> SpecDecoder:
     kind, *options = method.split(":")
     if kind == "lookup":
@@ -115,6 +150,10 @@ def build(method: str) -> SpecDecoder:
         for option in options:
             if option == "no-undrafted":
                 decoder.engine.drafter.undrafted_outcomes = lambda: []  # forks copy it
+            elif option == "line-costs":
+                planner.verify = LineCostTable(planner.decay, planner.stale_after)
+                planner.drafting = {source: LineCostTable(planner.decay, planner.stale_after)
+                                    for source in ("model", "lookup")}
             else:
                 name, value = option.split("=")
                 if not hasattr(planner, name):

@@ -65,3 +65,13 @@ $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-mem
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --datasets gsm8k,math500,humaneval,mt_bench \
     --methods baseline,dflash-b8,dflash-b16,dflash-tree-n32 --output runs/bench-s24b
+
+# session 25: the planner's costs read along a line between buckets (`:line-costs`) against the
+# shipped reading by bucket, under one fixed cost model (measured idle), then with noisy timings
+PY=.venv/bin/python
+$PY scripts/planner_replay.py --measure --threads 2 --costs runs/replay/costs-s25.json
+for noise in 0 0.15; do
+  $PY scripts/planner_replay.py --costs runs/replay/costs-s25.json --threads 1 --limit 8 \
+      --datasets gsm8k,math500,humaneval,mt_bench --cost-noise $noise --trace \
+      --methods lookup,default,default:line-costs,chain,chain:line-costs --output runs/replay/s25-noise$noise.json
+done

@@ -15,7 +15,12 @@ from blockspec.targets.adapter import TargetAdapter
 from blockspec.targets.linear_kernels import onednn_available, use_linear_kernels
 
 transformers.utils.logging.set_verbosity_error()
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs `-n auto`) the cores are shared between the workers:
+# two torch processes with a thread per core each slow each other many times over.
+# OMP_NUM_THREADS carries the share to `load_target` and to the CLI subprocesses.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ["OMP_NUM_THREADS"] = str(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma3"]
 # Public eval data (never copied into the repo): BLOCKSPEC_DATA_DIR, else ../shared/data beside the checkout.

@@ -223,6 +223,20 @@ def test_a_source_whose_trees_are_cut_to_nothing_stops_drafting_and_is_tried_aga
     assert model.wasted_rate < 0.2
 
 
+def test_costs_are_kept_per_power_of_two_bucket_of_sizes():
+    from blockspec.decoding.planner import CostTable
+
+    table = CostTable(decay=0.5, stale_after=10)
+    table.record(5, 0.070, now=0)
+    table.record(8, 0.090, now=0)  # the same bucket as 5: averaged
+    table.record(1, 0.050, now=0)
+    estimate = table.estimates(now=0)
+    assert estimate(6) == estimate(8) == pytest.approx(0.080) and estimate(1) == pytest.approx(0.050)
+    assert estimate(3) == pytest.approx(0.050)  # bucket 4 not measured: the highest smaller one, a lower bound
+    assert estimate(20) == pytest.approx(0.080)  # past every measurement: a lower bound too, so it gets tried
+    assert table.estimates(now=11)(6) == 0.0  # stale: re-measured
+
+
 def test_planner_tries_a_size_it_has_not_measured_then_follows_the_measurement():
     planner = measured_planner({4: 70}, {2: 5})
     rows = [(evidence(0.6), 1)] * 4

@@ -92,31 +92,37 @@ class AcceptanceEvidence:
 
 
 class CostTable:
-    """Seconds per key (an exponential moving average per key), with optimistic guesses for
-    keys not measured recently, so that they get tried."""
+    """Seconds as a function of a size (query tokens of a verify pass, drafted positions): an
+    exponential moving average per power-of-two bucket of sizes, with optimistic guesses for
+    buckets not measured recently, so that they get tried. (Reading a size between buckets
+    along a line instead was measured in session 25 and did not pay: scripts/planner_replay.py
+    `:line-costs`.)"""
 
     def __init__(self, decay: float, stale_after: int):
         self.decay, self.stale_after = decay, stale_after
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}  # per bucket
         self.measured_at: dict[int, int] = {}
 
-    def record(self, key: int, seconds: float, now: int) -> None:
-        fresh = key in self.seconds and now - self.measured_at[key] <= self.stale_after
-        self.seconds[key] = self.decay * self.seconds[key] + (1 - self.decay) * seconds if fresh else seconds
-        self.measured_at[key] = now
+    def record(self, size: int, seconds: float, now: int) -> None:
+        bucket = size_bucket(size)
+        fresh = bucket in self.seconds and now - self.measured_at[bucket] <= self.stale_after
+        self.seconds[bucket] = self.decay * self.seconds[bucket] + (1 - self.decay) * seconds if fresh else seconds
+        self.measured_at[bucket] = now
 
     def fresh(self, now: int) -> dict[int, float]:
+        """Seconds per bucket measured in the last `stale_after` steps."""
         return {k: s for k, s in self.seconds.items() if now - self.measured_at[k] <= self.stale_after}
 
     def estimates(self, now: int) -> Callable[[int], float]:
-        """key -> the measured seconds, or, not measured recently, a lower bound (costs grow
-        with the key): the highest cost measured for a smaller key, else 0."""
+        """size -> its bucket's measured seconds, or, not measured recently, a lower bound
+        (costs grow with the size): the highest cost measured for a smaller bucket, else 0."""
         fresh = self.fresh(now)
 
-        def estimate(key: int) -> float:
-            if key in fresh:
-                return fresh[key]
-            return max((s for k, s in fresh.items() if k < key), default=0.0)
+        def estimate(size: int) -> float:
+            bucket = size_bucket(size)
+            if bucket in fresh:
+                return fresh[bucket]
+            return max((s for k, s in fresh.items() if k < bucket), default=0.0)
 
         return estimate
 
@@ -133,9 +139,9 @@ class DraftPlanner:
     def __init__(self, max_drafts: int, decay: float = 0.8, pooled_decay: float = 0.98, stale_after: int = 256):
         self.max_drafts = max_drafts
         self.decay, self.pooled_decay = decay, pooled_decay
-        self.verify = CostTable(decay, stale_after)  # key: size bucket of the verify pass
+        self.verify = CostTable(decay, stale_after)  # size: query tokens of the verify pass
         self.stale_after = stale_after
-        # per drafter source, key: size bucket of the drafted positions
+        # per drafter source, size: drafted positions
         self.drafting: dict[str, CostTable] = {}
         # every row's evidence per drafter source, decayed more slowly: the prior of each row
         self.pooled: dict[str, AcceptanceEvidence] = {}
@@ -210,10 +216,10 @@ class DraftPlanner:
         if most == 0:
             return 0
         verify = self.verify.estimates(self.now)
-        best_size, best_goodput = 0, _goodput(batch, verify(size_bucket(batch)))
+        best_size, best_goodput = 0, _goodput(batch, verify(batch))
         for size in range(1, most + 1):
             tokens = batch + sum(row[min(size, len(row)) - 1] for row in gains if row)
-            goodput = _goodput(tokens, verify(size_bucket(batch * (1 + size))))
+            goodput = _goodput(tokens, verify(batch * (1 + size)))
             if goodput > best_goodput:
                 best_size, best_goodput = size, goodput
         return best_size
@@ -266,8 +272,8 @@ class DraftPlanner:
             return max(1 + drafts, round(1 + evidence.recent_tree_width(self.decay)))
 
         def alone(source: str, evidence: AcceptanceEvidence, gains: list[float]) -> float:
-            return max(_goodput(batch + gain, verify(size_bucket(batch * width(evidence, k + 1)))
-                                + drafting[source](size_bucket(2 + k))) for k, gain in enumerate(gains))
+            return max(_goodput(batch + gain, verify(batch * width(evidence, k + 1))
+                                + drafting[source](2 + k)) for k, gain in enumerate(gains))
 
         # one source per row: the best alone (ties: the drafter's order), with its E[accepted]
         # for every draft count, computed once: chosen_by_row[i] = (source, evidence, allowed, gains)
@@ -282,7 +288,7 @@ class DraftPlanner:
                 scored.append((alone(source, evidence, gains), -order, (source, evidence, allowed, gains)))
             chosen_by_row[i] = max(scored, key=lambda entry: entry[:2])[2]
         most = min(self.max_drafts, max(allowed for _, _, allowed, _ in chosen_by_row.values()))
-        best_plan, best_goodput = (sources, [0] * batch), _goodput(batch, verify(size_bucket(batch)))
+        best_plan, best_goodput = (sources, [0] * batch), _goodput(batch, verify(batch))
         for drafts in range(1, most + 1):
             ranked = sorted(((gains[min(drafts, len(gains)) - 1], i) for i, (_, _, _, gains) in chosen_by_row.items()),
                             reverse=True)
@@ -292,8 +298,8 @@ class DraftPlanner:
                 source, evidence, _, _ = chosen_by_row[i]
                 rows_of = {**by_source, source: by_source.get(source, 0) + 1}
                 row_width = max(pass_width, width(evidence, drafts))
-                seconds = verify(size_bucket(batch * row_width)) + sum(
-                    drafting[s](size_bucket(n * (1 + drafts))) for s, n in rows_of.items())
+                seconds = verify(batch * row_width) + sum(
+                    drafting[s](n * (1 + drafts)) for s, n in rows_of.items())
                 if chosen and _goodput(tokens + gain, seconds) <= goodput:
                     break
                 tokens, goodput, by_source, pass_width = tokens + gain, _goodput(tokens + gain, seconds), rows_of, row_width
@@ -311,6 +317,6 @@ class DraftPlanner:
         """What one step cost: its verify pass over `query_tokens` (padding included) and the
         drafting of `drafted_positions` (drafting rows x (1 + drafts), padding included) by
         `source` (None: rows drafted with different sources, whose shares are not known)."""
-        self.verify.record(size_bucket(query_tokens), verify_seconds, self.now)
+        self.verify.record(query_tokens, verify_seconds, self.now)
         if drafted_positions and source is not None:
-            self.drafting_for(source).record(size_bucket(drafted_positions), drafting_seconds, self.now)
+            self.drafting_for(source).record(drafted_positions, drafting_seconds, self.now)

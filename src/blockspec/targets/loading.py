@@ -175,7 +175,7 @@ def load_target(
         if threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    else:
+    elif "OMP_NUM_THREADS" not in os.environ:  # the user's own OMP_NUM_THREADS wins, as torch's does
         torch.set_num_threads(os.cpu_count() or 1)
     if check_device(device).type == "cpu":
         # transformers repeats every K/V head for grouped-query attention unless no mask is
