@@ -4,6 +4,7 @@ package), the CLI end to end, and every bad input the CLI must reject cleanly.""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import subprocess
 import sys
@@ -45,6 +46,22 @@ def test_second_load_does_not_convert_again(target):
     written = weights.stat().st_mtime_ns
     load_target("default")
     assert weights.stat().st_mtime_ns == written
+
+
+def test_threads_default_to_every_core_unless_omp_num_threads_is_set(target, monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        load_target("default")
+        assert torch.get_num_threads() == 1  # the user's setting (make test's workers share cores by it)
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        load_target("default")
+        assert torch.get_num_threads() == (os.cpu_count() or 1)
+        load_target("default", threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "shipped"])

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cap the drafter's cached context at this many positions (long prompts)")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    gen.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: all cores, or OMP_NUM_THREADS when set)")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--compare", action="store_true",
