@@ -75,3 +75,12 @@ for noise in 0 0.15; do
       --datasets gsm8k,math500,humaneval,mt_bench --cost-noise $noise --trace \
       --methods lookup,default,default:line-costs,chain,chain:line-costs --output runs/replay/s25-noise$noise.json
 done
+
+# session 26 (what the README table shows now): 16 prompts per dataset, idle, 2 threads; HumanEval
+# twice (every method twice per prompt), the other three datasets once
+$BS bench --data-dir "$DATA" --datasets humaneval --limit 16 --max-new-tokens 128 --threads 2 --no-memory \
+    --repeats 2 --methods baseline,default,prompt-lookup --output runs/bench-s26-he16
+$BS bench --data-dir "$DATA" --datasets humaneval --limit 16 --max-new-tokens 128 --threads 2 --no-memory \
+    --repeats 2 --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s26-he16b
+$BS bench --data-dir "$DATA" --datasets gsm8k,math500,mt_bench --limit 16 --max-new-tokens 128 --threads 2 \
+    --no-memory --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s26-3x16
