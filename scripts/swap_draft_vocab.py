@@ -1,6 +1,8 @@
-"""Usage: python scripts/swap_draft_vocab.py TRAINED_FOLDER OUTPUT. A trained drafter folder given the shipped drafter's draft vocabulary (d2t and the head rows for it, which are the target's)
-for it, which are the target's): as runs/campaign/train-16-vocab11 was made (session 24)."""
-import json, shutil, sys
+"""Usage: python scripts/swap_draft_vocab.py TRAINED_FOLDER OUTPUT
+
+Writes the trained drafter with the shipped drafter's draft vocabulary (its d2t, and the head
+rows for it, which are the target's), as runs/campaign/train-16-vocab11 was made (session 24)."""
+import shutil, sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
 source, output = Path(sys.argv[1]), Path(sys.argv[2])
