@@ -1,17 +1,39 @@
-"""Usage: python scripts/swap_draft_vocab.py TRAINED_FOLDER OUTPUT
+"""Give a trained DFlash drafter another drafter's draft vocabulary.
 
-Writes the trained drafter with the shipped drafter's draft vocabulary (its d2t, and the head
-rows for it, which are the target's), as runs/campaign/train-16-vocab11 was made (session 24)."""
-import shutil, sys
-from pathlib import Path
-from safetensors.torch import load_file, save_file
-source, output = Path(sys.argv[1]), Path(sys.argv[2])
-shipped = Path("src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16")
-tensors = load_file(source / "model.safetensors")
-vocab = load_file(shipped / "model.safetensors")
-tensors["d2t"] = vocab["d2t"].clone()
-tensors["lm_head.weight"] = vocab["lm_head.weight"].to(tensors["lm_head.weight"].dtype).clone()
-output.mkdir(parents=True, exist_ok=True)
-save_file(tensors, str(output / "model.safetensors"))
-shutil.copy(source / "config.json", output / "config.json")
-print("wrote", output)
+    python scripts/swap_draft_vocab.py TRAINED OUTPUT [--vocab-from FOLDER]
+
+`train` rebuilds the draft vocabulary from its data; a campaign round trained on a few rounds'
+data can end with a vocabulary that covers less of the held-out text than the shipped one.
+The vocabulary is only `d2t` and the target head's rows for it (the drafter borrows the
+target's head), so the trained layers keep their meaning under another vocabulary of the
+same size. Loaded and written through the drafter's own checkpoint code (atomic write,
+`d2t` offsets as vLLM reads them). As runs/campaign/train-16-vocab11 was made (session 24).
+"""
+import argparse
+
+import torch
+
+from blockspec.drafters.dflash import DFlashDraftModel
+from blockspec.errors import BlockspecError
+
+SHIPPED = "src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16"
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("trained", help="the trained drafter folder")
+parser.add_argument("output", help="where to write the drafter with the other vocabulary")
+parser.add_argument("--vocab-from", default=SHIPPED, help="the drafter whose vocabulary to take (default: the shipped one)")
+args = parser.parse_args()
+
+try:
+    model = DFlashDraftModel.from_pretrained(args.trained)
+    donor = DFlashDraftModel.from_pretrained(args.vocab_from)
+except BlockspecError as error:  # not a drafter folder, or not a DFlash one
+    parser.error(str(error))
+if not model.config.draft_vocab_size or model.config.draft_vocab_size != donor.config.draft_vocab_size:
+    parser.error(f"draft vocabulary sizes differ: {model.config.draft_vocab_size} (trained) against "
+                 f"{donor.config.draft_vocab_size} ({args.vocab_from})")
+with torch.no_grad():
+    model.d2t.copy_(donor.d2t)
+model.stored_head = donor.stored_head
+model.save_pretrained(args.output)
+print("wrote", args.output)
