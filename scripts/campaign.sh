@@ -33,7 +33,9 @@ BS=.venv/bin/blockspec
 C=runs/campaign
 SHIPPED=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
 # INIT: where training starts (default: the shipped drafter; a previous round's final continues it)
-# VOCAB: the draft vocabulary's size (8192; a warm start's own tokens fill what the data leaves free)
+# VOCAB: the draft vocabulary's size (8192). KEEP_VOCAB=1 (the default from round 18) keeps INIT's
+# vocabulary as it is; 0 rebuilds it from the data there is, INIT's tokens filling the free slots (one
+# round's data covers less of the held-out output than the shipped vocabulary: session 26)
 INIT=${INIT:-$SHIPPED}
 LAYERS=1,8,15,22,27
 # add_openings ARRAY TEXT...: appends a --synthesize-opening flag per TEXT to ARRAY
@@ -128,7 +130,7 @@ RESUME=()
 [ -f "$RUN/latest/trainer_state.pt" ] && RESUME=(--resume)
 if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
   $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$INIT" \
-      --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size ${VOCAB:-8192} \
+      --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size ${VOCAB:-8192} --keep-init-vocabulary $([ "${KEEP_VOCAB:-1}" = 1 ] && echo true || echo false) \
       --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
       --loss-weighting ${WEIGHTING:-decay} --distill-topk ${DISTILL:-0} --distill-missing ${DISTILL_MISSING:-hard} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
       --precision "${PRECISION:-auto}"

@@ -340,6 +340,32 @@ def test_a_warm_start_keeps_its_weights_and_fills_the_free_vocabulary_slots_with
     assert vocabulary - {11, 12, 13} <= set(first.model.d2t.tolist())
 
 
+def test_keep_init_vocabulary_drafts_the_warm_starts_tokens_whatever_this_data_holds(tmp_path):
+    """--keep-init-vocabulary: the warm start's draft vocabulary stays as it was (not rebuilt
+    from this run's data), and the stored head is that vocabulary's rows of the target's head;
+    without a warm start, or at another size, it is a clear error."""
+    target = tiny_target("llama")
+    first = Trainer(small_config(tmp_path / "a", draft_vocab_size=24, epochs=2), target, DFlashMethod(),
+                    [one_record(target)])
+    first.run()
+    warm = str(tmp_path / "a" / "run" / "final")
+    record = {"prompt_ids": [3, 4], "response_ids": [11, 12, 11, 13] * 5}
+    kept = Trainer(small_config(tmp_path / "b", draft_vocab_size=24, init_from=warm, keep_init_vocabulary=True),
+                   target, DFlashMethod(), [record])
+    assert kept.model.d2t.tolist() == first.model.d2t.tolist()
+    rebuilt = Trainer(small_config(tmp_path / "c", draft_vocab_size=24, init_from=warm), target, DFlashMethod(),
+                      [record])
+    assert rebuilt.model.d2t.tolist() != first.model.d2t.tolist()  # the data's 3 tokens come first
+    torch.testing.assert_close(kept.model.stored_head, target.lm_head.weight[first.model.d2t])
+    assert kept.t2d[first.model.d2t].tolist() == list(range(24))
+    with pytest.raises(InvalidArgumentError, match="drafts 24 tokens, this run --draft-vocab-size 16"):
+        Trainer(small_config(tmp_path / "d", draft_vocab_size=16, init_from=warm, keep_init_vocabulary=True),
+                target, DFlashMethod(), [record])
+    with pytest.raises(InvalidArgumentError, match="keep_init_vocabulary needs --init-from"):
+        Trainer(small_config(tmp_path / "e", draft_vocab_size=24, keep_init_vocabulary=True), target,
+                DFlashMethod(), [record])
+
+
 def test_a_warm_start_grows_a_deeper_drafter_that_drafts_exactly_as_the_shallower_one(tmp_path):
     """--init-from a 1-layer drafter into a 2-layer run: layer 0 is the folder's, the added layer
     starts as the identity, so the drafter's hidden states are unchanged until training moves

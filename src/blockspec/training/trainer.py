@@ -175,8 +175,16 @@ class Trainer:
         warm_vocabulary = self._warm_start(config.init_from) if config.init_from else None
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
+        if config.keep_init_vocabulary:
+            if warm_vocabulary is None or not config.draft_vocab_size:
+                raise InvalidArgumentError("keep_init_vocabulary needs --init-from a drafter with a reduced draft "
+                                           "vocabulary and --draft-vocab-size")
+            if len(warm_vocabulary) != config.draft_vocab_size:
+                raise InvalidArgumentError(f"keep_init_vocabulary: {config.init_from} drafts {len(warm_vocabulary)} "
+                                           f"tokens, this run --draft-vocab-size {config.draft_vocab_size}")
         if config.draft_vocab_size:
-            self.model.d2t.copy_(draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size,
+            self.model.d2t.copy_(warm_vocabulary if config.keep_init_vocabulary else
+                                 draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size,
                                                   preferred=warm_vocabulary))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
@@ -234,8 +242,8 @@ class Trainer:
         self.autocast = autocast_dtype(config.precision, target.device)
 
     def _warm_start(self, folder: str) -> torch.Tensor | None:
-        """Load `folder`'s weights into the model (not its vocabulary: this run builds its own);
-        returns that vocabulary (target ids), or None.
+        """Load `folder`'s weights into the model (not its vocabulary: this run builds its own unless
+        keep_init_vocabulary); returns that vocabulary (target ids), or None.
 
         A model with more layers than the folder's grows from it: the folder's layers come
         first and every added layer starts as the identity (its attention and MLP output
