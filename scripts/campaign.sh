@@ -146,7 +146,7 @@ SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
 
 # (4) ship only a better drafter; the ledger keeps every round's numbers
 .venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" "${LR:-6e-4}" \
-    "$FOLDERS" <<'EOF'
+    "$FOLDERS" "${KEEP_VOCAB:-1}" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 
@@ -161,7 +161,11 @@ history = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text(
 better = all(new[d]["tau"] > old[d]["tau"] for d in old)
 entry = {"round": int(round_), "shipped_before": shipped_hash, "heldout_before": old, "heldout_after": new,
          "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "lr": float(sys.argv[7]),
-         "data": sys.argv[8].split(","), "shipped": better}
+         "data": sys.argv[8].split(","), "kept_init_vocabulary": sys.argv[9] == "1",
+         # the target's precision while it wrote each folder (`blockspec data --dtype`)
+         "data_dtypes": sorted({json.loads((Path(f) / "meta.json").read_text())["config"].get("dtype", "float32")
+                                for f in sys.argv[8].split(",")}),
+         "shipped": better}
 with open(ledger_path, "a") as ledger:
     ledger.write(json.dumps(entry) + "\n")
 print(json.dumps(entry, indent=1))
