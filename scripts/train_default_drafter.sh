@@ -95,3 +95,16 @@ ROUND=10 THREADS=1 BUDGET_S=2400 SKIP_DATA=1 PRECISION=fp32 scripts/campaign.sh
 # Data with two threads, the target in float32 at batch 32 (the defaults); training fp32 (`auto` here); shipped.
 ROUND=11 THREADS=2 DATA_ONLY=1 scripts/campaign.sh
 ROUND=11 THREADS=1 BUDGET_S=2400 SKIP_DATA=1 scripts/campaign.sh
+# Stage 12 (session 27, a new machine with AMX: runs/ was gone again). Rounds 18 and 19's data in
+# bf16 at batch 128 (two one-thread lanes in the session: math + code in one, mixed + followup +
+# competition in the other; here one after the other), then the recipe A/B arm that was shipped:
+# from stage 11 with its draft vocabulary kept, expected-length loss weights, lr 3e-4 cosine over
+# 3,600 CPU-seconds of one thread, bf16 autocast (`--precision auto` on AMX); docs/training.md,
+# fourth A/B. Its twin with decayed weights (`runs/ab-r18.sh a`) measured lower and was not shipped.
+ROUND=18 THREADS=1 DATA_ONLY=1 DATA_DTYPE=bfloat16 DATA_BATCH=128 scripts/campaign.sh
+ROUND=19 THREADS=1 DATA_ONLY=1 DATA_DTYPE=bfloat16 DATA_BATCH=128 scripts/campaign.sh
+FOLDERS=$(ls -d runs/campaign/regen-*-1[89] | paste -sd, -)
+INIT=runs/campaign/train-11/final ARM=r18-lr3e4-dpace DATA_FOLDERS=$FOLDERS BUDGET_S=3600 scripts/recipe_ab.sh \
+    --seed 18 --time-budget-clock cpu --lr 3e-4 --keep-init-vocabulary true --loss-weighting expected-length
+.venv/bin/python scripts/ship_drafter.py runs/ab/r18-lr3e4-dpace/final \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r18-lr3e4-dpace/metrics.png
