@@ -84,3 +84,8 @@ $BS bench --data-dir "$DATA" --datasets humaneval --limit 16 --max-new-tokens 12
     --repeats 2 --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s26-he16b
 $BS bench --data-dir "$DATA" --datasets gsm8k,math500,mt_bench --limit 16 --max-new-tokens 128 --threads 2 \
     --no-memory --methods baseline,default,prompt-lookup,default-chain --output runs/bench-s26-3x16
+# session 27 (an Intel Xeon with AMX): the stage-12 drafter (its float16 copy, before shipping) against
+# round 11 (shipped then), both as the default command, interleaved, idle, 2 threads
+.venv/bin/python scripts/ship_drafter.py runs/ab/r18-lr3e4-dpace/final /tmp/shipcand
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory --repeats 1 \
+    --methods baseline,default,default-r18=/tmp/shipcand,prompt-lookup --output runs/bench-s27
