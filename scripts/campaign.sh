@@ -16,6 +16,9 @@
 # domains (math+code and chat), appending the result to docs/campaign-ledger.jsonl (tracked: runs/
 # did not survive session 14's move to a new machine, the repository did).
 # THREADS keeps the job to part of the CPU (two torch processes at full threads thrash).
+# WEIGHTING (expected-length) and LR (3e-4): since round 18 (session 27's fourth A/B: expected-length
+# weights +0.063 math+code / +0.049 chat over the reference's decayed ones at the same data and CPU time;
+# 3e-4 from the long arm of sessions 24-26). Rounds 1-16 ran decay at 6e-4 (round 15: 3e-4).
 # PRECISION (auto): `train --precision`; auto = bf16 autocast on CPUs with AMX (round 8's A/B), fp32
 # elsewhere (session 14: with AVX512-BF16 alone a bf16 step took 1.8x fp32's time).
 set -euo pipefail
@@ -131,8 +134,8 @@ RESUME=()
 if [ ! -f "$RUN/final/model.safetensors" ] || [ ${#RESUME[@]} -gt 0 ]; then
   $BS train "${RESUME[@]}" --target default --data "$FOLDERS" --output "$RUN" --init-from "$INIT" \
       --num-layers 2 --target-layer-ids $LAYERS --block-size 16 --draft-vocab-size ${VOCAB:-8192} --keep-init-vocabulary $([ "${KEEP_VOCAB:-1}" = 1 ] && echo true || echo false) \
-      --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-6e-4} --warmup-ratio 0.02 --epochs 100 \
-      --loss-weighting ${WEIGHTING:-decay} --distill-topk ${DISTILL:-0} --distill-missing ${DISTILL_MISSING:-hard} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
+      --num-anchors ${ANCHORS:-24} --batch-size ${BATCH:-4} --lr ${LR:-3e-4} --warmup-ratio 0.02 --epochs 100 \
+      --loss-weighting ${WEIGHTING:-expected-length} --distill-topk ${DISTILL:-0} --distill-missing ${DISTILL_MISSING:-hard} --time-budget-s "$BUDGET_S" --time-budget-clock cpu --max-length 1024 --eval-every 0 --save-every 25 --seed "$ROUND" --threads "$THREADS" \
       --precision "${PRECISION:-auto}"
 fi
 
@@ -145,8 +148,8 @@ SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
 [ -f "$C/eval/train-$ROUND.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --output "$C/eval/train-$ROUND.json"
 
 # (4) ship only a better drafter; the ledger keeps every round's numbers
-.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" "${LR:-6e-4}" \
-    "$FOLDERS" "${KEEP_VOCAB:-1}" <<'EOF'
+.venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" "${LR:-3e-4}" \
+    "$FOLDERS" "${KEEP_VOCAB:-1}" "${WEIGHTING:-expected-length}" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 
@@ -162,6 +165,7 @@ better = all(new[d]["tau"] > old[d]["tau"] for d in old)
 entry = {"round": int(round_), "shipped_before": shipped_hash, "heldout_before": old, "heldout_after": new,
          "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "lr": float(sys.argv[7]),
          "data": sys.argv[8].split(","), "kept_init_vocabulary": sys.argv[9] == "1",
+         "loss_weighting": sys.argv[10],
          # the target's precision while it wrote each folder (`blockspec data --dtype`)
          "data_dtypes": sorted({json.loads((Path(f) / "meta.json").read_text())["config"].get("dtype", "float32")
                                 for f in sys.argv[8].split(",")}),
