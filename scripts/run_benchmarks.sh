@@ -89,3 +89,6 @@ $BS bench --data-dir "$DATA" --datasets gsm8k,math500,mt_bench --limit 16 --max-
 .venv/bin/python scripts/ship_drafter.py runs/ab/r18-lr3e4-dpace/final /tmp/shipcand
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory --repeats 1 \
     --methods baseline,default,default-r18=/tmp/shipcand,prompt-lookup --output runs/bench-s27
+# session 27, after shipping stage 12: DFlash alone as B=8 and B=16 chains
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --methods baseline,dflash-b8,dflash-b16 --output runs/bench-s27-b8
