@@ -31,7 +31,7 @@ class TrainConfig:
     init_from_target: bool = True
     # Warm start: the weights of a drafter trained before (same shape, or fewer layers: the
     # added ones start as the identity), e.g. on an earlier, smaller dataset. Its draft
-    # vocabulary is recomputed on this data (the head is frozen).
+    # vocabulary is recomputed on this data (the head is frozen), unless keep_init_vocabulary.
     init_from: str | None = None
     # With init_from: keep the warm start's draft vocabulary as it is instead of rebuilding it from
     # this run's data. A round's ~0.5M tokens cover less of what the target writes than the

@@ -137,6 +137,9 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
         raise InvalidArgumentError(f"distill_missing must be compute or hard, got {config.distill_missing!r}")
     if config.precision not in ("auto", "bf16", "fp32"):
         raise InvalidArgumentError(f"precision must be auto, bf16 or fp32, got {config.precision!r}")
+    if config.keep_init_vocabulary and not (config.init_from and config.draft_vocab_size):
+        raise InvalidArgumentError("keep_init_vocabulary needs --init-from a drafter with a reduced draft "
+                                   "vocabulary and --draft-vocab-size")
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -175,13 +178,11 @@ class Trainer:
         warm_vocabulary = self._warm_start(config.init_from) if config.init_from else None
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
-        if config.keep_init_vocabulary:
-            if warm_vocabulary is None or not config.draft_vocab_size:
-                raise InvalidArgumentError("keep_init_vocabulary needs --init-from a drafter with a reduced draft "
-                                           "vocabulary and --draft-vocab-size")
-            if len(warm_vocabulary) != config.draft_vocab_size:
-                raise InvalidArgumentError(f"keep_init_vocabulary: {config.init_from} drafts {len(warm_vocabulary)} "
-                                           f"tokens, this run --draft-vocab-size {config.draft_vocab_size}")
+        if config.keep_init_vocabulary and len(warm_vocabulary if warm_vocabulary is not None else ()) != \
+                config.draft_vocab_size:
+            drafts = "no reduced vocabulary" if warm_vocabulary is None else f"{len(warm_vocabulary)} tokens"
+            raise InvalidArgumentError(f"keep_init_vocabulary: {config.init_from} drafts {drafts}, this run "
+                                       f"--draft-vocab-size {config.draft_vocab_size}")
         if config.draft_vocab_size:
             self.model.d2t.copy_(warm_vocabulary if config.keep_init_vocabulary else
                                  draft_vocabulary(self.train_records, config.draft_vocab_size, target.vocab_size,
