@@ -115,9 +115,9 @@ INIT=runs/campaign/train-11/final ARM=r18-lr3e4-dpace DATA_FOLDERS=$FOLDERS BUDG
 # Its 3-layer twin (`--num-layers 3`, same command otherwise) measured level and was not shipped.
 DATA_BATCH=64 scripts/data_lanes.sh "20:math" "20:code" "20:mixed followup" "20:competition" "21:math" "21:mixed" "21:competition"
 FOLDERS=$(ls -d runs/campaign/regen-*-2[01] | paste -sd, -)
-COMMON=(--time-budget-clock cpu --loss-weighting expected-length --keep-init-vocabulary true)
+COMMON=(--loss-weighting expected-length --keep-init-vocabulary true)
 INIT=runs/ab/r18-lr3e4-dpace/final ARM=r20-keep DATA_FOLDERS=$FOLDERS BUDGET_S=2400 scripts/recipe_ab.sh \
-    "${COMMON[@]}" --seed 20 --lr 3e-4
+    "${COMMON[@]}" --seed 20 --lr 3e-4 --time-budget-clock cpu
 INIT=runs/ab/r20-keep/final ARM=r20-keep-more DATA_FOLDERS=$FOLDERS BUDGET_S=1440 THREADS=2 scripts/recipe_ab.sh \
     "${COMMON[@]}" --seed 21 --lr 1.5e-4 --time-budget-clock wall
 .venv/bin/python scripts/ship_drafter.py runs/ab/r20-keep-more/final \

@@ -178,8 +178,8 @@ class Trainer:
         warm_vocabulary = self._warm_start(config.init_from) if config.init_from else None
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
-        if config.keep_init_vocabulary and len(warm_vocabulary if warm_vocabulary is not None else ()) != \
-                config.draft_vocab_size:
+        # check_config made sure init_from and draft_vocab_size are set; only here is the size known
+        if config.keep_init_vocabulary and (warm_vocabulary is None or len(warm_vocabulary) != config.draft_vocab_size):
             drafts = "no reduced vocabulary" if warm_vocabulary is None else f"{len(warm_vocabulary)} tokens"
             raise InvalidArgumentError(f"keep_init_vocabulary: {config.init_from} drafts {drafts}, this run "
                                        f"--draft-vocab-size {config.draft_vocab_size}")
