@@ -276,3 +276,33 @@ def test_bf16_matmul_needs_amx(amx, avx512_bf16, monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     assert loading.cpu_has_bf16_matmul() is amx
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, speedup, expected", [
+    (True, True, 0.5, True),     # AMX: bf16 steps, no probe needed
+    (False, False, 3.0, False),  # no bf16 instructions at all: fp32, no probe
+    (False, True, 0.6, False),   # AVX512-BF16 slower than fp32 (session 14's VM)
+    (False, True, 2.2, True),    # AVX512-BF16 twice as fast (session 30's AMD EPYC)
+])
+def test_bf16_training_follows_what_the_cpu_measures(amx, avx512_bf16, speedup, expected, monkeypatch):
+    """Without AMX, `train --precision auto` takes bf16 steps only where a probe measures bf16
+    products clearly faster than fp32 ones: AVX512-BF16 chips differ both ways."""
+    from blockspec.targets import loading
+
+    probes = []
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(loading, "bf16_matmul_speedup", lambda: probes.append(1) or speedup)
+    loading.cpu_trains_faster_in_bf16.cache_clear()
+    try:
+        assert loading.cpu_trains_faster_in_bf16() is expected
+        assert len(probes) == (1 if avx512_bf16 and not amx else 0)
+    finally:
+        loading.cpu_trains_faster_in_bf16.cache_clear()
+
+
+def test_bf16_probe_measures_a_ratio():
+    from blockspec.targets import loading
+
+    speedup = loading.bf16_matmul_speedup(rows=32, repeats=2)
+    assert 0.01 < speedup < 100

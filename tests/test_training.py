@@ -415,7 +415,7 @@ def test_precision_auto_takes_bf16_where_the_cpu_multiplies_it_natively(tmp_path
     assert autocast_dtype("fp32", cuda) is None and autocast_dtype("bf16", cpu) is torch.bfloat16
     assert autocast_dtype("auto", cuda) is torch.bfloat16
     for native, expected in ((True, torch.bfloat16), (False, None)):
-        monkeypatch.setattr(trainer_module, "cpu_has_bf16_matmul", lambda native=native: native)
+        monkeypatch.setattr(trainer_module, "cpu_trains_faster_in_bf16", lambda native=native: native)
         assert autocast_dtype("auto", cpu) is expected
     target = tiny_target("llama")
     trainer = Trainer(small_config(tmp_path, precision="bf16"), target, DFlashMethod(), [one_record(target)])

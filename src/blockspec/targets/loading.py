@@ -8,12 +8,14 @@ Weights load from safetensors only, and remote code stays off unless asked for.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +57,48 @@ def cpu_has_bf16_matmul() -> bool:
     autocast training 2.3x the time per step of session 13's AMX machine."""
     check = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(check is not None and check())
+
+
+# bf16 products must measure at least this much faster than fp32 ones before `train --precision
+# auto` takes bf16 steps on a CPU without AMX: a whole step gains less than its products (session
+# 30's AMD EPYC: products 2.2x, a bf16-autocast step 1.56x), and the probe is short
+BF16_TRAINING_GAIN_NEEDED = 1.3
+
+
+def bf16_matmul_speedup(rows: int = 1024, repeats: int = 5) -> float:
+    """fp32 seconds / bf16 seconds of a training step's product ([rows, 576] x [576, 1536], the
+    default target's MLP), best of `repeats` of each, alternated: >1 where bf16 is faster."""
+    generator = torch.Generator().manual_seed(0)
+    best = {}
+    operands = {dtype: (torch.randn(rows, 576, generator=generator).to(dtype),
+                        torch.randn(576, 1536, generator=generator).to(dtype))
+                for dtype in (torch.float32, torch.bfloat16)}
+    with torch.inference_mode():
+        for dtype, (left, right) in operands.items():  # warm-up
+            left @ right
+        for _ in range(repeats):
+            for dtype, (left, right) in operands.items():
+                started = time.perf_counter()
+                left @ right
+                best[dtype] = min(best.get(dtype, float("inf")), time.perf_counter() - started)
+    return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
+
+
+@functools.cache
+def cpu_trains_faster_in_bf16() -> bool:
+    """Whether bf16-autocast training steps pay on this CPU. With AMX they do. With AVX512-BF16
+    alone it depends on the chip, so a short probe measures it (once per process): session 14's
+    Xeon VM ran a bf16 product 1.2-1.9x SLOWER than fp32 and a bf16 step 1.8x slower, session 30's
+    AMD EPYC a product 2.2x faster and a step 1.56x faster. Drafting (`drafter_dtype`) keeps the
+    AMX rule: on that EPYC a B=8 drafting pass took 7.1 ms in bf16 against 10.3 in fp32, beside
+    a ~90-105 ms verify pass, a gain of ~3% of a step not worth a drafter that differs from the
+    one evaluated (held-out tau is measured in fp32)."""
+    if cpu_has_bf16_matmul():
+        return True
+    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if supported is None or not supported():
+        return False
+    return bf16_matmul_speedup() >= BF16_TRAINING_GAIN_NEEDED
 
 
 def drafter_dtype(spec: str | torch.dtype, target) -> torch.dtype:

@@ -88,9 +88,10 @@ class TrainConfig:
     # "cpu", "cuda" (under torchrun each rank takes cuda:LOCAL_RANK) or an explicit device
     device: str | None = None
     # what a training step computes in (the weights stay fp32 master weights, the loss fp32):
-    # "bf16" = bf16 autocast, "fp32", or "auto" = bf16 on a GPU and on a CPU with bf16 matrix
-    # units (AMX: a training-sized matmul 3-14x faster than fp32), fp32 elsewhere (AVX512-BF16
-    # alone made a step 1.8x slower than fp32, session 14)
+    # "bf16" = bf16 autocast, "fp32", or "auto" = bf16 on a GPU, on a CPU with bf16 matrix
+    # units (AMX: a training-sized matmul 3-14x faster than fp32), and on an AVX512-BF16 CPU where
+    # a probe measures bf16 products clearly faster (session 30's AMD EPYC: a step 1.56x faster;
+    # session 14's Xeon VM: 1.8x slower); fp32 elsewhere (`targets.loading.cpu_trains_faster_in_bf16`)
     precision: str = "auto"
 
     def resolved_gamma(self) -> float:

@@ -37,7 +37,7 @@ from blockspec.decoding.draft import Drafter
 from blockspec.drafters.checkpoint import fit_problems
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import compact_features, target_features
-from blockspec.targets.loading import cpu_has_bf16_matmul
+from blockspec.targets.loading import cpu_trains_faster_in_bf16
 from blockspec.training.config import TrainConfig
 from blockspec.training.data import check_data_target, load_records
 
@@ -146,7 +146,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The dtype a training step autocasts to (None: plain fp32)."""
     if precision == "fp32":
         return None
-    if precision == "bf16" or device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matmul()):
+    if precision == "bf16" or device.type == "cuda" or (device.type == "cpu" and cpu_trains_faster_in_bf16()):
         return torch.bfloat16
     return None
 
