@@ -122,3 +122,15 @@ INIT=runs/ab/r20-keep/final ARM=r20-keep-more DATA_FOLDERS=$FOLDERS BUDGET_S=144
     "${COMMON[@]}" --seed 21 --lr 1.5e-4 --time-budget-clock wall
 .venv/bin/python scripts/ship_drafter.py runs/ab/r20-keep-more/final \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r20-keep-more/metrics.png
+# Stage 14 (session 30, session 29's machine with runs/ kept). Round 21's code and follow-ups and round
+# 22 whole in the same two lanes, then the sixth A/B's bf16 arm from stage 13 on rounds 20-22, shipped
+# (`--precision auto` takes bf16 on this AVX512-BF16 CPU since session 30; named here so that another CPU
+# repeats the same steps). Its fp32 twin (`--precision fp32`) measured level, and continuing it
+# (`INIT=runs/ab/r22-bf16/final ARM=r22-bf16-more BUDGET_S=1800 THREADS=2 ... --lr 1.5e-4
+# --time-budget-clock wall`) measured lower: neither shipped.
+DATA_BATCH=64 scripts/data_lanes.sh "21:code" "21:followup" "22:math" "22:mixed" "22:competition"
+FOLDERS=$(ls -d runs/campaign/regen-*-2[012] | paste -sd, -)
+INIT=runs/ab/r20-keep-more/final ARM=r22-bf16 DATA_FOLDERS=$FOLDERS BUDGET_S=2400 scripts/recipe_ab.sh \
+    "${COMMON[@]}" --seed 22 --lr 3e-4 --time-budget-clock cpu --precision bf16
+.venv/bin/python scripts/ship_drafter.py runs/ab/r22-bf16/final \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r22-bf16/metrics.png
