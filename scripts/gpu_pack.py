@@ -1,10 +1,12 @@
 """The GPU shot's way back (scripts/gpu_drafter.sh): $OUT takes files of at most 16 MiB, so
 the drafter goes as fp16 pieces (drafter-N.safetensors) beside drafter-config.json, without
-its lm_head rows (the target's own head rebuilds them: scripts/gpu_unpack.py).
+its lm_head rows when they are a copy of the target's (the target's own head rebuilds them:
+scripts/gpu_unpack.py); a trained head (config `trained_lm_head`) travels as the weight it is.
 
     python scripts/gpu_pack.py RUN/final OUT
 """
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,7 +18,8 @@ PIECE_BYTES = 14 * 2**20
 
 final, out = Path(sys.argv[1]), Path(sys.argv[2])
 tensors = load_file(final / "model.safetensors")
-tensors.pop("lm_head.weight", None)
+if not json.loads((final / "config.json").read_text()).get("trained_lm_head"):
+    tensors.pop("lm_head.weight", None)
 tensors = {n: t.to(torch.float16) if t.is_floating_point() else t for n, t in tensors.items()}
 pieces, current, size = [], {}, 0
 for name in sorted(tensors):

@@ -29,6 +29,7 @@ with tempfile.TemporaryDirectory() as staging:
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     model = DFlashDraftModel.from_pretrained(staging)
 target = load_target(sys.argv[3] if len(sys.argv) > 3 else "default")
-model.stored_head = model.head(target)[0].detach().clone()  # the target head's rows for the draft vocabulary
+if model.own_head() is None:  # a trained head came back with the other weights
+    model.stored_head = model.head(target)[0].detach().clone()  # the target head's rows for the draft vocabulary
 model.save_pretrained(destination, dtype=torch.float16)
 print(f"drafter unpacked to {destination}")

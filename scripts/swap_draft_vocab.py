@@ -34,6 +34,8 @@ try:
     donor = None if args.whole_vocabulary else DFlashDraftModel.from_pretrained(args.vocab_from)
 except BlockspecError as error:  # not a drafter folder, or not a DFlash one
     parser.error(str(error))
+if model.own_head() is not None:
+    parser.error(f"{args.trained} drafts through a trained head of its own: its rows belong to its vocabulary")
 if args.whole_vocabulary:
     config = copy.deepcopy(model.config)
     config.draft_vocab_size = None

@@ -46,6 +46,13 @@ def make_drafter(kind, target, prompt, ref, seed=0, dtype=None):
         model = DFlashDraftModel(config)
         model.d2t.copy_(torch.randperm(target.vocab_size)[:24].sort().values)
         return DFlashDrafter(model, target, dtype=dtype)
+    if kind == "dflash-trained-head":  # a head of its own (random rows) over a draft vocabulary of 24 ids
+        torch.manual_seed(seed)
+        config = DFlashConfig.for_target(target, num_layers=1, block_size=16, mask_token_id=target.vocab_size - 1)
+        config.draft_vocab_size, config.trained_head = 24, True
+        model = DFlashDraftModel(config)
+        model.d2t.copy_(torch.randperm(target.vocab_size)[:24].sort().values)
+        return DFlashDrafter(model, target, dtype=dtype)
     if kind == "mtp":  # a random MTP head (reduced draft vocabulary on odd seeds)
         from blockspec.drafters.mtp import MTPConfig, MTPDrafter, MTPHeadModel
 
@@ -82,8 +89,8 @@ def run(target, drafter, block, prompt, max_new=MAX_NEW, stop=EOS, planned=False
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "oracle", "draft-model", "mtp",
-                                  "eagle3", "hybrid"])
+@pytest.mark.parametrize("kind", ["none", "prompt-lookup", "dflash", "dflash-reduced-vocab", "dflash-trained-head", "oracle",
+                                  "draft-model", "mtp", "eagle3", "hybrid"])
 @pytest.mark.parametrize("block", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_greedy_identity(arch, kind, block, prompt_name):
@@ -95,7 +102,7 @@ def test_greedy_identity(arch, kind, block, prompt_name):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("kind", ["dflash", "dflash-reduced-vocab", "mtp", "eagle3"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash-reduced-vocab", "dflash-trained-head", "mtp", "eagle3"])
 @pytest.mark.parametrize("shape", ["chain", "tree", "batched"])
 def test_greedy_identity_with_a_bfloat16_drafter(arch, kind, shape):
     """A drafter computing in bf16 beside a float32 target (what `--drafter-dtype auto`

@@ -73,10 +73,12 @@ def target():
     return tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3)
 
 
-def dflash(target, sample_drafts, draft_vocab=None, dtype=None):
+def dflash(target, sample_drafts, draft_vocab=None, dtype=None, trained_head=False):
+    """`trained_head`: the drafter's own head (random rows, unlike the target's)."""
     torch.manual_seed(1)
     config = DFlashConfig.for_target(target, num_layers=1, block_size=BLOCK, mask_token_id=VOCAB - 1)
     config.draft_vocab_size = len(draft_vocab) if draft_vocab else None
+    config.trained_head = trained_head
     model = DFlashDraftModel(config)
     if draft_vocab:
         model.d2t.copy_(torch.tensor(draft_vocab))
@@ -90,6 +92,8 @@ def dflash(target, sample_drafts, draft_vocab=None, dtype=None):
         ("sampled drafts, rejection sampling", SamplingParams(temperature=1.0)),
         ("sampled drafts, rejection sampling, top-k/top-p", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
         ("sampled drafts from a reduced draft vocabulary, rejection sampling", SamplingParams(temperature=1.0)),
+        ("sampled drafts through a trained head over a reduced vocabulary, rejection sampling",
+         SamplingParams(temperature=1.0)),
         ("sampled drafts from an independent draft model, rejection sampling", SamplingParams(temperature=0.9)),
         ("sampled drafts from an MTP head with a reduced vocabulary, rejection sampling",
          SamplingParams(temperature=1.0, top_k=6)),
@@ -138,7 +142,7 @@ def test_output_distribution_is_the_targets(target, rule, params):
 
         drafter = HybridDrafter(dflash(target, True))
     else:
-        drafter = dflash(target, rule.startswith("sampled"), draft_vocab, dtype)
+        drafter = dflash(target, rule.startswith("sampled"), draft_vocab, dtype, trained_head="trained head" in rule)
     engine = SpecEngine(target, drafter, BLOCK, adaptive="planned" in rule)
     counts = empirical_joint(engine, params)
     probabilities = exact_joint(target, params)

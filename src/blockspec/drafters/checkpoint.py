@@ -1,5 +1,6 @@
 """What every trained drafter's weights share: the borrowed (frozen) LM head, restricted
-to an optional reduced draft vocabulary, and the checkpoint folder (config.json +
+to an optional reduced draft vocabulary (or a trained head of the drafter's own, an
+`lm_head` module), and the checkpoint folder (config.json +
 model.safetensors, written atomically, safetensors only).
 
 A reduced draft vocabulary lives in memory as `d2t` = absolute target ids; on disk
@@ -62,8 +63,21 @@ class DraftCheckpoint:
         """Tensors the format carries for other readers and blockspec does not load back."""
         return {}
 
+    def own_head(self) -> torch.nn.Linear | None:
+        """The drafter's own LM head (its config's `trained_head`), or None: it borrows the target's."""
+        return getattr(self, "lm_head", None)
+
+    def shipped_head(self) -> torch.Tensor | None:
+        """The rows `lm_head.weight` carries: the trained head's, else the stored copy of the
+        target's (None: not stored)."""
+        own = self.own_head()
+        return self.stored_head if own is None else own.weight
+
     def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The borrowed LM head's (weight, bias), restricted to the draft vocabulary if any."""
+        """The LM head's (weight, bias): the drafter's own trained one, else the borrowed target
+        head restricted to the draft vocabulary if any."""
+        if self.own_head() is not None:
+            return self.own_head().weight, None
         weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
         if self.config.draft_vocab_size:
             rows = self.d2t.to(weight.device)  # the drafter may still be elsewhere (a trainer builds it on the CPU)
@@ -82,7 +96,8 @@ class DraftCheckpoint:
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
         if self.config.draft_vocab_size:
             tensors["d2t"] = tensors["d2t"] - torch.arange(self.config.draft_vocab_size)
-        if (self.config.draft_vocab_size or self.head_always_stored) and self.stored_head is not None:
+        if ((self.config.draft_vocab_size or self.head_always_stored) and self.stored_head is not None
+                and self.own_head() is None):
             tensors["lm_head.weight"] = self.stored_head.detach().to("cpu", next(self.parameters()).dtype)
         tensors.update(self.extra_tensors())
         if dtype is not None:
@@ -108,7 +123,8 @@ class DraftCheckpoint:
                                        f"{cls.architecture}")
         model = cls(cls.config_class.from_hf_dict(data))
         state = load_file(weights_path)  # safetensors only: never an unpickled checkpoint
-        model.stored_head = state.pop("lm_head.weight", None)
+        if model.own_head() is None:  # else lm_head.weight is one of its weights
+            model.stored_head = state.pop("lm_head.weight", None)
         for name in model.extra_tensors():
             state.pop(name, None)
         if "d2t" in state and model.config.draft_vocab_size:

@@ -1,7 +1,8 @@
 """DFlash: a block-diffusion drafter conditioned on the target's hidden features.
 
 A stack of Qwen3-style decoder layers with no embedding and no LM head of its own
-(it borrows the target's, frozen). The hidden states of a few target layers are
+(it borrows the target's, frozen; `trained_head` gives it a trained copy of the head's
+draft-vocabulary rows instead, at the same drafting cost). The hidden states of a few target layers are
 fused by `fc` + `hidden_norm` into one context vector per committed position; in
 EVERY layer the keys/values are [proj(context) | proj(block)] with that layer's
 own k_proj / v_proj, so the drafter "sees" the target's view of the context.
@@ -59,6 +60,11 @@ class DFlashConfig:
     # Reduced draft vocabulary: the LM head is restricted to these many target ids (the
     # `d2t` buffer maps draft index -> target id). Cuts the head's cost on CPU.
     draft_vocab_size: int | None = None
+    # The head's draft-vocabulary rows are the drafter's own (`lm_head.weight`, started from the
+    # target's rows and trained with the layers) instead of the target's frozen ones: more
+    # capacity where drafting costs the same. Needs a reduced draft vocabulary (serving engines
+    # read `lm_head.weight` only then).
+    trained_head: bool = False
 
     @classmethod
     def for_target(cls, target, *, num_layers: int = 1, block_size: int = 16, mask_token_id: int | None = None,
@@ -102,6 +108,7 @@ class DFlashConfig:
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "blockspec_target": self.target,
             **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
+            **({"trained_lm_head": True} if self.trained_head else {}),
         }
 
     @classmethod
@@ -127,6 +134,7 @@ class DFlashConfig:
                 max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
                 target=data.get("blockspec_target") or {},
                 draft_vocab_size=data.get("draft_vocab_size"),
+                trained_head=bool(data.get("trained_lm_head", False)),
             )
         except (KeyError, TypeError) as error:
             raise DrafterMismatchError(f"config.json is not a DFlash drafter config: missing or bad field {error}") from None
@@ -205,8 +213,11 @@ class DFlashDraftModel(DraftCheckpoint, nn.Module):
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
         # The target head's rows for the draft vocabulary, written as `lm_head.weight` so that
         # serving engines use the right rows (vLLM otherwise takes the first N). blockspec
-        # itself always computes the head from the target at run time.
+        # itself computes the borrowed head from the target at run time.
         self.stored_head = None
+        # ... unless the head is the drafter's own (config.trained_head): then it is a weight like any other
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size or config.vocab_size,
+                                 bias=False) if config.trained_head else None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.inv_freq, dtype)

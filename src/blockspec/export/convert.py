@@ -98,6 +98,9 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
     with replace_dir(output) as staging:
         if fmt == "transformers":
             # transformers drafts over the target's full head: no id map, no head of its own
+            if config.trained_head:
+                raise InvalidArgumentError("the transformers format drafts through the target's own LM head: a "
+                                           "drafter with a trained head (trained_lm_head) exports --to speculators")
             tensors = {_TRANSFORMERS_RENAMES.get(name, name): t for name, t in state.items()
                        if name not in ("d2t", "lm_head.weight")}
             tokenizer = getattr(target, "tokenizer", None)
@@ -115,7 +118,7 @@ def export_drafter(source: str | Path, fmt: str, output: str | Path, target=None
             tensors = {name: t for name, t in state.items() if name not in ("d2t", "lm_head.weight")}
             if config.draft_vocab_size:
                 d2t = model.d2t
-                head = model.stored_head
+                head = model.shipped_head()  # a trained head's rows, or the stored copy of the target's
                 if head is None and target is None:
                     raise InvalidArgumentError("exporting a reduced draft vocabulary to speculators needs --target "
                                                "(its lm_head.weight is the target head's rows)")
@@ -190,7 +193,9 @@ def to_speculators_config(config: DFlashConfig, verifier: str, target=None) -> d
             "verifier": {"name_or_path": verifier, "architectures": architectures},
         },
         "blockspec": {"num_target_layers": config.num_target_layers, "target": config.target,
-                      "target_layer_ids": list(config.target_layer_ids)},
+                      "target_layer_ids": list(config.target_layer_ids),
+                      # lm_head.weight is the drafter's own trained head, not a copy of the target's rows
+                      **({"trained_lm_head": True} if config.trained_head else {})},
     }
 
 
@@ -239,6 +244,7 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
         num_target_layers = extra.get("num_target_layers") or (target.num_layers if target is not None else None)
         target_layer_ids, mask_token_id, block_size = data["target_layer_ids"], data["mask_token_id"], data["block_size"]
         fingerprint, draft_vocab_size = extra.get("target") or {}, None
+        trained_head = False
     else:
         extra = data.get("blockspec") or {}
         layer = data["transformer_layer_config"]
@@ -248,6 +254,7 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
         mask_token_id, block_size = data["mask_token_id"], data["block_size"]
         fingerprint = extra.get("target") or {}
         draft_vocab_size = data.get("draft_vocab_size") if data.get("draft_vocab_size") != vocab else None
+        trained_head = bool(extra.get("trained_lm_head")) and bool(draft_vocab_size)
         tensors.pop("t2d", None)
         if draft_vocab_size:
             tensors["d2t"] = tensors["d2t"] + torch.arange(draft_vocab_size)  # offsets -> absolute ids
@@ -269,9 +276,10 @@ def import_drafter(source: str | Path, output: str | Path, target=None) -> Path:
         mask_token_id=int(mask_token_id), block_size=int(block_size), rms_norm_eps=float(layer["rms_norm_eps"]),
         rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or _missing("rope_theta", source)),
         max_position_embeddings=int(layer.get("max_position_embeddings", 32768)), target=fingerprint,
-        draft_vocab_size=draft_vocab_size)
+        draft_vocab_size=draft_vocab_size, trained_head=trained_head)
     model = DFlashDraftModel(config)
-    model.stored_head = tensors.pop("lm_head.weight", None)
+    if model.own_head() is None:  # else lm_head.weight is one of its weights
+        model.stored_head = tensors.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise DrafterMismatchError(f"{source}: weight names do not match a DFlash drafter (missing: {sorted(missing)[:5]}, "

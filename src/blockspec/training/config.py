@@ -38,6 +38,10 @@ class TrainConfig:
     # vocabulary built from every earlier round (session 26: 93.3% against 96.2% of held-out
     # math+code tokens; the shipped vocabulary gave the same weights +0.009 / +0.010 tau).
     keep_init_vocabulary: bool = False
+    # Train the head's draft-vocabulary rows with the drafter (its own `lm_head`, started from the
+    # target's rows, or the warm start's trained rows where it has them) instead of borrowing the
+    # target's frozen head: more capacity at the same drafting cost. Needs draft_vocab_size.
+    train_head: bool = False
     # the recipe (reference section 3)
     num_anchors: int = 16  # blocks per sequence per step, resampled every step
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for B=10, 4 for B=8

@@ -51,6 +51,8 @@ class Method(Protocol):
     name: str  # its --method value
     #: it drafts through the target's frozen LM head (`model.head`): a reduced draft vocabulary applies
     borrows_target_head: bool
+    #: its model can carry a trained head of its own instead (`--train-head`, `model.own_head()`)
+    can_train_head: bool
     #: it calls its model once per step, so DDP wraps the model; else the trainer averages the
     #: gradients over processes itself
     ddp_wrapper: bool
@@ -137,6 +139,13 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
         raise InvalidArgumentError(f"distill_missing must be compute or hard, got {config.distill_missing!r}")
     if config.precision not in ("auto", "bf16", "fp32"):
         raise InvalidArgumentError(f"precision must be auto, bf16 or fp32, got {config.precision!r}")
+    if config.train_head and not method.can_train_head:
+        raise InvalidArgumentError(f"train_head does not apply to --method {config.method}")
+    if config.train_head and config.parallel == "fsdp" and world_size > 1:
+        raise InvalidArgumentError("train_head is not sharded by --parallel fsdp: train it with --parallel ddp")
+    if config.train_head and not config.draft_vocab_size:
+        raise InvalidArgumentError("train_head needs --draft-vocab-size: serving engines read a drafter's own "
+                                   "lm_head.weight only with a reduced draft vocabulary")
     if config.keep_init_vocabulary and not (config.init_from and config.draft_vocab_size):
         raise InvalidArgumentError("keep_init_vocabulary needs --init-from a drafter with a reduced draft "
                                    "vocabulary and --draft-vocab-size")
@@ -174,8 +183,9 @@ class Trainer:
             raise InvalidArgumentError("no training records")
         torch.manual_seed(config.seed)
         self.model = method.build_model(config, target)
-        # the warm start's draft vocabulary (target ids), if it has one: it breaks this run's ties
-        warm_vocabulary = self._warm_start(config.init_from) if config.init_from else None
+        # the warm start's draft vocabulary (target ids), if it has one: it breaks this run's ties;
+        # and its trained head's rows, if it has one
+        warm_vocabulary, warm_head = self._warm_start(config.init_from) if config.init_from else (None, None)
         # target id -> draft index (-1: not in the draft vocabulary, its label is ignored)
         self.t2d = torch.arange(target.vocab_size)
         # check_config made sure init_from and draft_vocab_size are set; only here is the size known
@@ -189,11 +199,20 @@ class Trainer:
                                                   preferred=warm_vocabulary))
             self.t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.t2d[self.model.d2t] = torch.arange(config.draft_vocab_size)
+        # the drafter's own trained head (--train-head), or None: it borrows the target's, if any
+        own_head = self.model.own_head() if method.can_train_head else None
+        if own_head is not None:
+            self._start_trained_head(warm_vocabulary, warm_head)
+        elif warm_head is not None:
+            raise InvalidArgumentError(f"init_from {config.init_from} drafts through a trained head of its own: "
+                                       "pass --train-head true to keep training it")
         # every module and buffer on the target's device; the weights stay fp32 (master
         # weights), a CUDA step computes under bf16 autocast (`train_step`)
         self.model.to(target.device)
         self._head = None
-        if method.borrows_target_head:
+        if own_head is not None:
+            self._head = self.model.head(target)  # the drafter's own weight: trains with the rest
+        elif method.borrows_target_head:
             self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
             if config.draft_vocab_size or self.model.head_always_stored:
                 self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
@@ -242,9 +261,10 @@ class Trainer:
         self.output = Path(config.output)
         self.autocast = autocast_dtype(config.precision, target.device)
 
-    def _warm_start(self, folder: str) -> torch.Tensor | None:
+    def _warm_start(self, folder: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Load `folder`'s weights into the model (not its vocabulary: this run builds its own unless
-        keep_init_vocabulary); returns that vocabulary (target ids), or None.
+        keep_init_vocabulary, nor a trained head, whose rows follow the vocabulary:
+        `_start_trained_head`); returns that vocabulary (target ids) and trained head rows, or None.
 
         A model with more layers than the folder's grows from it: the folder's layers come
         first and every added layer starts as the identity (its attention and MLP output
@@ -260,13 +280,33 @@ class Trainer:
             if getattr(mine, field, None) != getattr(theirs, field, None) and not (grows and field == "num_hidden_layers"):
                 raise InvalidArgumentError(f"init_from {folder}: {field} is {getattr(theirs, field)}, this run trains "
                                            f"{getattr(mine, field)}")
-        state = {k: v for k, v in source.state_dict().items() if k != "d2t"}
+        state = {k: v for k, v in source.state_dict().items() if k not in ("d2t", "lm_head.weight")}
         self.model.load_state_dict(state, strict=False)
         added = list(self.model.layers)[theirs.num_hidden_layers:] if grows else []
         for name, weight in (item for layer in added for item in layer.named_parameters()):
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 torch.nn.init.zeros_(weight)
-        return getattr(source, "d2t", None)
+        own = source.own_head() if self.method.can_train_head else None
+        return getattr(source, "d2t", None), None if own is None else own.weight.detach()
+
+    @torch.no_grad()
+    def _start_trained_head(self, warm_vocabulary: torch.Tensor | None, warm_head: torch.Tensor | None) -> None:
+        """The trained head starts as the target's rows for this run's draft vocabulary (the
+        drafter then drafts exactly as with the borrowed head), and where the warm start trained
+        rows of its own, as those, matched by target id."""
+        weight, bias = self.target.lm_head.weight, getattr(self.target.lm_head, "bias", None)
+        if bias is not None:
+            raise InvalidArgumentError("train_head: the target's LM head has a bias, which a trained head "
+                                       "does not carry")
+        ids = self.model.d2t
+        rows = weight.detach().to("cpu", torch.float32).index_select(0, ids)
+        if warm_head is not None:
+            warm_ids = warm_vocabulary if warm_vocabulary is not None else torch.arange(len(warm_head))
+            where = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+            where[warm_ids] = torch.arange(len(warm_ids))
+            found = where[ids] >= 0
+            rows[found] = warm_head.float()[where[ids][found]]
+        self.model.own_head().weight.copy_(rows)
 
     # --- processes -------------------------------------------------------------------
     def full_model(self):
@@ -441,7 +481,7 @@ class Trainer:
         return torch.where(labels == IGNORE, IGNORE, t2d[labels.clamp_min(0)])
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the borrowed (frozen) head, which keeps the target's dtype."""
+        """fp32 logits of the head: the borrowed (frozen) one keeps the target's dtype; a trained one is fp32."""
         return F.linear(hidden.to(self._head[0].dtype), *self._head).float()
 
     def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weight: float):

@@ -126,6 +126,7 @@ def init_from_target_layers(model: DFlashDraftModel, target) -> bool:
 class DFlashMethod:
     name = "dflash"
     borrows_target_head = True
+    can_train_head = True
     ddp_wrapper = True
     shardable = True
     records_target = True
@@ -136,6 +137,7 @@ class DFlashMethod:
             target, num_layers=config.num_layers, block_size=config.block_size, mask_token_id=mask_token_id,
             target_layer_ids=config.target_layer_ids, intermediate_size=config.intermediate_size)
         drafter_config.draft_vocab_size = config.draft_vocab_size
+        drafter_config.trained_head = config.train_head
         model = DFlashDraftModel(drafter_config)
         if config.init_from_target:
             init_from_target_layers(model, target)

@@ -92,6 +92,7 @@ def draft_lm_for(target, num_layers: int) -> DraftLM:
 class DraftModelMethod:
     name = "draft-model"
     borrows_target_head = False  # a whole LM with its own head (the target's vocabulary)
+    can_train_head = False
     ddp_wrapper = True
     shardable = True
     records_target = False  # a plain transformers config: its shapes are what ties it to the target

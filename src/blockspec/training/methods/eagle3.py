@@ -56,6 +56,7 @@ def init_eagle3_from_target(model: Eagle3DraftModel, target) -> bool:
 class Eagle3Method:
     name = "eagle3"
     borrows_target_head = True
+    can_train_head = False
     ddp_wrapper = False  # the layer runs K times per step: the trainer averages its gradients
     shardable = False  # one layer: nothing to gain from sharding it
     records_target = True

@@ -21,6 +21,7 @@ from blockspec.training.trainer import IGNORE, Trainer
 class MTPMethod:
     name = "mtp"
     borrows_target_head = True
+    can_train_head = False
     ddp_wrapper = False  # the head runs K times per step: the trainer averages its gradients
     shardable = False  # one small head: nothing to gain from sharding it
     records_target = True
