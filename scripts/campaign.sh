@@ -102,10 +102,21 @@ fi
 # data that is there. The standard library holds 1,086 such prompts; rounds 7 and 9 took [0:800],
 # so the slices cycle from [800:] (greedy data: a slice repeated while runs/ survives weighs code
 # more, it adds no new text).
+# From round 24 the installed packages' public functions take over (round 23 repeated round 20's
+# [0:400] token for token): torch (pinned by the Makefile: 3,067 prompts), sympy (1,666) and
+# transformers (1,159), 400 per round from each one's first 1,200, so a slice repeats after 9 rounds.
 if [ "$ROUND" -ge 10 ] && part code; then
   SLICES=("800:" "0:400" "400:800")
+  CODE_SOURCE="python-functions:stdlib[${SLICES[$(((ROUND - 10) % 3))]}]"
+  if [ "$ROUND" -ge 24 ]; then
+    SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    PACKAGES=(torch sympy transformers)
+    index=$((ROUND - 24))
+    first=$((index / 3 % 3 * 400))
+    CODE_SOURCE="python-functions:$SITE/${PACKAGES[$((index % 3))]}[$first:$((first + 400))]"
+  fi
   $BS data --target default --output "$C/regen-code-$ROUND" \
-      --prompts "python-functions:stdlib[${SLICES[$(((ROUND - 10) % 3))]}]" --prompt-format code \
+      --prompts "$CODE_SOURCE" --prompt-format code \
       --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
 fi

@@ -41,7 +41,9 @@ def test_a_trained_head_starts_as_the_targets_rows_and_drafts_exactly_as_the_bor
     own = trainer.model.own_head()
     assert own is not None and own.weight.requires_grad
     torch.testing.assert_close(own.weight, target.lm_head.weight[trainer.model.d2t])
-    assert any(p is own.weight for p in trainer.optimizer.param_groups[0]["params"])
+    layers_group, head_group = trainer.optimizer.param_groups  # the head steps at head_lr_scale x lr
+    assert head_group["params"] == [own.weight] and head_group["lr"] == pytest.approx(0.1 * trainer.config.lr)
+    assert not any(p is own.weight for p in layers_group["params"])
     borrowed = DFlashDrafter(DFlashDraftModel.from_pretrained(warm), target)
     mine = DFlashDrafter(trainer.model, target)
     hidden = torch.randn(5, target.hidden_size)

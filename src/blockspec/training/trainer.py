@@ -139,6 +139,8 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
         raise InvalidArgumentError(f"distill_missing must be compute or hard, got {config.distill_missing!r}")
     if config.precision not in ("auto", "bf16", "fp32"):
         raise InvalidArgumentError(f"precision must be auto, bf16 or fp32, got {config.precision!r}")
+    if not config.head_lr_scale >= 0:
+        raise InvalidArgumentError(f"head_lr_scale must be >= 0, got {config.head_lr_scale}")
     if config.train_head and not method.can_train_head:
         raise InvalidArgumentError(f"train_head does not apply to --method {config.method}")
     if config.train_head and config.parallel == "fsdp" and world_size > 1:
@@ -230,7 +232,10 @@ class Trainer:
                 method.shard(self.model)
             elif method.ddp_wrapper:
                 self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        groups = [{"params": [p for p in self.model.parameters() if own_head is None or p is not own_head.weight]}]
+        if own_head is not None:  # a trained head steps at its own, smaller lr (TrainConfig.head_lr_scale)
+            groups.append({"params": [own_head.weight], "lr": config.lr * config.head_lr_scale})
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
         # drop_last: every step sees a full global batch, so any process count splits it evenly
         self.steps_per_epoch = max(1, len(self.train_records) // config.batch_size)
         self.total_steps = self.steps_per_epoch * config.epochs
