@@ -74,10 +74,12 @@ class DraftCheckpoint:
         return self.stored_head if own is None else own.weight
 
     def head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The LM head's (weight, bias): the drafter's own trained one, else the borrowed target
-        head restricted to the draft vocabulary if any."""
-        if self.own_head() is not None:
-            return self.own_head().weight, None
+        """The LM head's (weight, bias): the drafter's own trained one, else the borrowed one."""
+        own = self.own_head()
+        return (own.weight, None) if own is not None else self.borrowed_head(target)
+
+    def borrowed_head(self, target) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's LM head (weight, bias), restricted to the draft vocabulary if any."""
         weight, bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
         if self.config.draft_vocab_size:
             rows = self.d2t.to(weight.device)  # the drafter may still be elsewhere (a trainer builds it on the CPU)

@@ -212,11 +212,11 @@ class Trainer:
         # weights), a CUDA step computes under bf16 autocast (`train_step`)
         self.model.to(target.device)
         self._head = None
-        if own_head is not None:
-            self._head = self.model.head(target)  # the drafter's own weight: trains with the rest
-        elif method.borrows_target_head:
-            self._head = self.model.head(target)  # frozen (and restricted to d2t): computed once
-            if config.draft_vocab_size or self.model.head_always_stored:
+        if own_head is not None or method.borrows_target_head:
+            # the drafter's own weight (trains with the rest), or the target's, frozen and restricted
+            # to d2t: computed once
+            self._head = self.model.head(target)
+            if own_head is None and (config.draft_vocab_size or self.model.head_always_stored):
                 self.model.stored_head = self._head[0].detach()  # shipped as lm_head.weight for serving engines
         self.ddp_model = self.model  # what a step calls: the model, or DDP's wrapper around it
         # FSDP only: an unsharded copy of the model that rank 0 fills from the shards to
@@ -299,12 +299,12 @@ class Trainer:
         """The trained head starts as the target's rows for this run's draft vocabulary (the
         drafter then drafts exactly as with the borrowed head), and where the warm start trained
         rows of its own, as those, matched by target id."""
-        weight, bias = self.target.lm_head.weight, getattr(self.target.lm_head, "bias", None)
+        weight, bias = self.model.borrowed_head(self.target)
         if bias is not None:
             raise InvalidArgumentError("train_head: the target's LM head has a bias, which a trained head "
                                        "does not carry")
+        rows = weight.detach().to("cpu", torch.float32).clone()  # never a view of the target's own head
         ids = self.model.d2t
-        rows = weight.detach().to("cpu", torch.float32).index_select(0, ids)
         if warm_head is not None:
             warm_ids = warm_vocabulary if warm_vocabulary is not None else torch.arange(len(warm_head))
             where = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
