@@ -81,6 +81,12 @@ class TrainConfig:
     # busy shared machine does not inflate: A/B arms that ran beside different loads stay comparable
     time_budget_clock: str = "wall"
     grad_clip: float = 1.0
+    # 0: the drafter is the weights of the last step. D in (0, 1): an exponential moving average
+    # of the weights after every step (w_avg <- D w_avg + (1 - D) w), which is what checkpoints
+    # hold, evaluation measures and `final` ships; the live weights are kept in the trainer state
+    # to resume. Averaging weights fine-tuned from one parent measured better than its parts
+    # (session 32: three arms from stage 14 averaged, math+code 2.207 against 2.166-2.202).
+    ema_decay: float = 0.0
     seed: int = 0
     # bookkeeping
     holdout: int = 8  # records kept out of training, for evaluation

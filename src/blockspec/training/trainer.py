@@ -148,6 +148,10 @@ def check_config(config: TrainConfig, method: Method, world_size: int) -> None:
     if config.train_head and not config.draft_vocab_size:
         raise InvalidArgumentError("train_head needs --draft-vocab-size: serving engines read a drafter's own "
                                    "lm_head.weight only with a reduced draft vocabulary")
+    if not 0 <= config.ema_decay < 1:
+        raise InvalidArgumentError(f"ema_decay must be in [0, 1), got {config.ema_decay}")
+    if config.ema_decay and config.parallel == "fsdp" and world_size > 1:
+        raise InvalidArgumentError("ema_decay is not sharded by --parallel fsdp: train it with --parallel ddp")
     if config.keep_init_vocabulary and not (config.init_from and config.draft_vocab_size):
         raise InvalidArgumentError("keep_init_vocabulary needs --init-from a drafter with a reduced draft "
                                    "vocabulary and --draft-vocab-size")
@@ -232,6 +236,12 @@ class Trainer:
                 method.shard(self.model)
             elif method.ddp_wrapper:
                 self.ddp_model = torch.nn.parallel.DistributedDataParallel(self.model)
+        # the moving average of the weights (ema_decay), a copy on the same device; None: off
+        self.ema = None
+        if config.ema_decay:
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))
         groups = [{"params": [p for p in self.model.parameters() if own_head is None or p is not own_head.weight]}]
         if own_head is not None:  # a trained head steps at its own, smaller lr (TrainConfig.head_lr_scale)
             groups.append({"params": [own_head.weight], "lr": config.lr * config.head_lr_scale})
@@ -315,8 +325,11 @@ class Trainer:
 
     # --- processes -------------------------------------------------------------------
     def full_model(self):
-        """The model with all its weights: the model itself, or under FSDP the replica filled
-        from the shards (collective: every rank calls it; only rank 0's replica is filled)."""
+        """The drafter this run has trained so far: the moving average of its weights (ema_decay),
+        else the model itself, or under FSDP the replica filled from the shards (collective:
+        every rank calls it; only rank 0's replica is filled)."""
+        if self.ema is not None:
+            return self.ema.module
         if self.replica is None:
             return self.model
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -552,6 +565,8 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         elapsed = torch.tensor([self.clock() - started])
         if self.world_size > 1:  # every rank stops at the same step: the slowest rank's clock
             import torch.distributed as dist
@@ -601,12 +616,15 @@ class Trainer:
                 self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return self.output / name
+        state = {"step": self.step, "optimizer": optimizer_state,
+                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
+                 "train_seconds": self.train_seconds, "position_accuracy": self.position_accuracy,
+                 "config": asdict(self.config)}
+        if self.ema is not None:  # the folder's drafter is the average; the live weights resume from here
+            state.update(live_model=self.model.state_dict(), ema_count=self.ema.n_averaged)
         with replace_dir(self.output / name) as staging:
             model.write_files(staging)
-            torch.save({"step": self.step, "optimizer": optimizer_state,
-                        "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(),
-                        "train_seconds": self.train_seconds, "position_accuracy": self.position_accuracy,
-                        "config": asdict(self.config)}, staging / "trainer_state.pt")
+            torch.save(state, staging / "trainer_state.pt")
         return self.output / name
 
     def resume(self, name: str = "latest") -> bool:
@@ -624,7 +642,18 @@ class Trainer:
             raise InvalidArgumentError(f"cannot resume {folder}: {'; '.join(problems)}; pass another --output "
                                        "(or the options it was started with)")
         state = torch.load(folder / "trainer_state.pt", weights_only=True)  # tensors and plain types only
-        if self.replica is None:
+        if self.ema is None and "live_model" in state:
+            raise InvalidArgumentError(f"cannot resume {folder}: it was started with --ema-decay (its folder holds "
+                                       "the average of the weights); pass the ema_decay it was started with")
+        if self.ema is not None and "live_model" not in state:
+            raise InvalidArgumentError(f"cannot resume {folder}: it was started without --ema-decay; drop it, or "
+                                       "start a new --output")
+        if self.ema is not None:  # the folder holds the average, the state the live weights
+            self.ema.module.load_state_dict(restored.state_dict())
+            self.ema.n_averaged.copy_(state["ema_count"])
+            self.model.load_state_dict(state["live_model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif self.replica is None:
             self.model.load_state_dict(restored.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
         else:  # every rank reads the full state and keeps its shard of it
