@@ -91,3 +91,28 @@ def test_ema_decay_is_checked(target, tmp_path):
             records(target)).run()
     with pytest.raises(InvalidArgumentError, match="started with --ema-decay"):
         Trainer(small_config(tmp_path / "avg"), target, DFlashMethod(), records(target)).run(resume=True)
+
+
+def test_average_drafters_script_writes_the_mean_and_refuses_other_models(target, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "average_drafters.py"
+    finals = [Trainer(small_config(tmp_path / f"s{seed}", max_steps=2, seed=seed, draft_vocab_size=24), target,
+                      DFlashMethod(), records(target)).run() for seed in (1, 2)]
+    out = tmp_path / "mean"
+    done = subprocess.run([sys.executable, str(script), str(out), *map(str, finals), "--weights", "1,3"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    parts = [weights(DFlashDraftModel.from_pretrained(f)) for f in finals]
+    mean = DFlashDraftModel.from_pretrained(out)
+    for name, value in weights(mean).items():
+        torch.testing.assert_close(value, 0.25 * parts[0][name] + 0.75 * parts[1][name])
+    assert torch.equal(mean.d2t, DFlashDraftModel.from_pretrained(finals[0]).d2t)
+    other = Trainer(small_config(tmp_path / "wide", max_steps=1, num_layers=2, draft_vocab_size=24), target,
+                    DFlashMethod(), records(target)).run()
+    refused = subprocess.run([sys.executable, str(script), str(tmp_path / "no"), str(finals[0]), str(other)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "not the same model" in refused.stderr and "num_hidden_layers" in refused.stderr
+    assert not (tmp_path / "no").exists()
