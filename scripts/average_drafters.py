@@ -49,6 +49,12 @@ def shape_of(model):  # what must agree for the weights to mean the same thing
     return config
 
 
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same target head rows, one of them perhaps shipped in a coarser dtype (float16)."""
+    coarse = min(a.dtype, b.dtype, key=lambda dtype: torch.finfo(dtype).bits)
+    return a.shape == b.shape and torch.equal(a.to(coarse), b.to(coarse))
+
+
 first = models[0]
 for folder, model in zip(args.drafters[1:], models[1:]):
     if shape_of(model) != shape_of(first):
@@ -58,7 +64,7 @@ for folder, model in zip(args.drafters[1:], models[1:]):
     if first.config.draft_vocab_size and not torch.equal(model.d2t, first.d2t):
         parser.error(f"{folder} drafts over another vocabulary than {args.drafters[0]} (`d2t` differs)")
     if (model.stored_head is None) != (first.stored_head is None) or (
-            model.stored_head is not None and not torch.equal(model.stored_head.float(), first.stored_head.float())):
+            model.stored_head is not None and not same_rows(model.stored_head, first.stored_head)):
         parser.error(f"{folder} stores other target head rows than {args.drafters[0]}")
 
 states = [model.state_dict() for model in models]
