@@ -13,7 +13,7 @@
 # BUDGET_S seconds of training steps on EVERY round's data so far, warm-started from the
 # shipped drafter; (3) measures held-out tau (`blockspec eval-drafter`: benchmark test prompts
 # that training never sees) and (4) ships it only when it beats the shipped drafter on both
-# domains (math+code and chat), appending the result to docs/campaign-ledger.jsonl (tracked: runs/
+# domains (math+code and chat; since session 32 on two held-out subsets pooled), appending the result to docs/campaign-ledger.jsonl (tracked: runs/
 # did not survive session 14's move to a new machine, the repository did).
 # THREADS keeps the job to part of the CPU (two torch processes at full threads thrash).
 # WEIGHTING (expected-length) and LR (3e-4): since round 18 (session 27's fourth A/B: expected-length
@@ -153,14 +153,20 @@ fi
 # (3) held-out tau of the candidate and of what is shipped now (same prompts, same settings)
 # float32 drafters, as every round before session 13 measured (`auto` would run them in bf16 on this
 # CPU: the same tau within 0.01, session 13)
+# Two subsets of 8 prompts per dataset (EVAL_SEEDS), pooled: one subset's MT-Bench tau moved by 0.23
+# between subsets for the same drafter (session 32), more than any round's gain; seed 1's file keeps
+# its old name (the ledger's `heldout_*` stay seed 1's, comparable with every earlier round)
 EVAL=(--data-dir "$DATA" --limit 8 --max-new-tokens 128 --block-size 16 --threads "$THREADS" --drafter-dtype float32)
 SHIPPED_HASH=$(sha256sum "$SHIPPED/model.safetensors" | cut -c1-12)
-[ -f "$C/eval/shipped-$SHIPPED_HASH.json" ] || $BS eval-drafter auto "${EVAL[@]}" --output "$C/eval/shipped-$SHIPPED_HASH.json"
-[ -f "$C/eval/train-$ROUND.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --output "$C/eval/train-$ROUND.json"
+for SEED in ${EVAL_SEEDS:-1 2}; do
+  SUFFIX=$([ "$SEED" = 1 ] || echo ".seed$SEED")
+  [ -f "$C/eval/shipped-$SHIPPED_HASH$SUFFIX.json" ] || $BS eval-drafter auto "${EVAL[@]}" --seed "$SEED" --output "$C/eval/shipped-$SHIPPED_HASH$SUFFIX.json"
+  [ -f "$C/eval/train-$ROUND$SUFFIX.json" ] || $BS eval-drafter "$RUN/final" "${EVAL[@]}" --seed "$SEED" --output "$C/eval/train-$ROUND$SUFFIX.json"
+done
 
 # (4) ship only a better drafter; the ledger keeps every round's numbers
 .venv/bin/python - "$C" "$ROUND" "$SHIPPED_HASH" "$RUN" "$SHIPPED" "${LEDGER:-docs/campaign-ledger.jsonl}" "${LR:-3e-4}" \
-    "$FOLDERS" "${KEEP_VOCAB:-1}" "${WEIGHTING:-expected-length}" <<'EOF'
+    "$FOLDERS" "${KEEP_VOCAB:-1}" "${WEIGHTING:-expected-length}" "${EVAL_SEEDS:-1 2}" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
 
@@ -169,11 +175,20 @@ ledger_path = Path(sys.argv[6])
 done = [json.loads(l) for l in ledger_path.read_text().splitlines() if l] if ledger_path.exists() else []
 if any(entry["round"] == int(round_) for entry in done):
     sys.exit(f"round {round_} is already in {ledger_path}")
-old = json.loads((campaign / "eval" / f"shipped-{shipped_hash}.json").read_text())["domains"]
-new = json.loads((campaign / "eval" / f"train-{round_}.json").read_text())["domains"]
+seeds = sys.argv[11].split()
+def results(name):  # the eval-drafter files of one drafter, one per subset seed
+    return [str(campaign / "eval" / f"{name}{'' if seed == '1' else '.seed' + seed}.json") for seed in seeds]
+def pooled(name):
+    out = subprocess.run([sys.executable, "scripts/pool_heldout.py", "--json", *results(name)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)["domains"]
+old = json.loads(Path(results(f"shipped-{shipped_hash}")[0]).read_text())["domains"]
+new = json.loads(Path(results(f"train-{round_}")[0]).read_text())["domains"]
+old_pooled, new_pooled = pooled(f"shipped-{shipped_hash}"), pooled(f"train-{round_}")
 history = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
-better = all(new[d]["tau"] > old[d]["tau"] for d in old)
+better = all(new_pooled[d]["tau"] > old_pooled[d]["tau"] for d in old_pooled)  # on every subset pooled
 entry = {"round": int(round_), "shipped_before": shipped_hash, "heldout_before": old, "heldout_after": new,
+         "heldout_pooled_before": old_pooled, "heldout_pooled_after": new_pooled, "subset_seeds": [int(s) for s in seeds],
          "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "lr": float(sys.argv[7]),
          "data": sys.argv[8].split(","), "kept_init_vocabulary": sys.argv[9] == "1",
          "loss_weighting": sys.argv[10],
