@@ -134,3 +134,20 @@ INIT=runs/ab/r20-keep-more/final ARM=r22-bf16 DATA_FOLDERS=$FOLDERS BUDGET_S=240
     "${COMMON[@]}" --seed 22 --lr 3e-4 --time-budget-clock cpu --precision bf16
 .venv/bin/python scripts/ship_drafter.py runs/ab/r22-bf16/final \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r22-bf16/metrics.png
+# Stage 15 (sessions 31-32, the same AMD EPYC, runs/ kept): rounds 23 and 24's data in the same lanes
+# (round 24's code prompts from torch's public functions), five arms from stage 14 (2,400 CPU-seconds of
+# one thread each unless THREADS says otherwise; r23-head, a trained-head twin of r23-base, is not among
+# them), and the mean of their weights shipped (docs/training.md, seventh and eighth A/B).
+DATA_BATCH=64 scripts/data_lanes.sh "23:math" "23:code" "23:mixed followup" "23:competition" \
+    "24:math" "24:code" "24:mixed followup" "24:competition"
+COMMON=(--time-budget-clock cpu --lr 3e-4 --loss-weighting expected-length --keep-init-vocabulary true --precision bf16)
+R20_23=$(ls -d runs/campaign/regen-*-2[0-3] | paste -sd, -)
+R20_24=$(ls -d runs/campaign/regen-*-2[0-4] | paste -sd, -)
+ARM=r23-base DATA_FOLDERS=$R20_23 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --seed 23
+ARM=r24-code DATA_FOLDERS=$(ls -d runs/campaign/regen-*-2[0-3] runs/campaign/regen-code-24 | paste -sd, -) BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --seed 24
+ARM=r24-all DATA_FOLDERS=$R20_24 BUDGET_S=2400 THREADS=2 scripts/recipe_ab.sh "${COMMON[@]}" --seed 25
+ARM=r26-base DATA_FOLDERS=$R20_24 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --seed 26
+ARM=r26-ema DATA_FOLDERS=$R20_24 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --seed 26 --ema-decay 0.998
+.venv/bin/python scripts/average_drafters.py runs/soup/s5 runs/ab/{r23-base,r24-code,r24-all,r26-base,r26-ema}/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s5 \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r26-base/metrics.png

@@ -84,8 +84,8 @@ class TrainConfig:
     # 0: the drafter is the weights of the last step. D in (0, 1): an exponential moving average
     # of the weights after every step (w_avg <- D w_avg + (1 - D) w), which is what checkpoints
     # hold, evaluation measures and `final` ships; the live weights are kept in the trainer state
-    # to resume. Averaging weights fine-tuned from one parent measured better than its parts
-    # (session 32: three arms from stage 14 averaged, math+code 2.207 against 2.166-2.202).
+    # to resume. Session 32: D = 0.998 over 2,072 steps measured level with the same run without
+    # it; averaging separate runs from one parent paid (scripts/average_drafters.py, stage 15).
     ema_decay: float = 0.0
     seed: int = 0
     # bookkeeping
