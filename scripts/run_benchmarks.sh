@@ -92,3 +92,7 @@ $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-mem
 # session 27, after shipping stage 12: DFlash alone as B=8 and B=16 chains
 $BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
     --methods baseline,dflash-b8,dflash-b16 --output runs/bench-s27-b8
+# sessions 29, 30 and 32 (an AMD EPYC, AVX512-BF16, no AMX): the shipped drafter (stages 13, 14, 15) as a
+# B=8 chain, idle, 2 threads
+$BS bench --data-dir "$DATA" --limit 8 --max-new-tokens 128 --threads 2 --no-memory \
+    --methods baseline,dflash-b8 --output runs/bench-s32-b8
