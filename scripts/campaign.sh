@@ -186,7 +186,7 @@ old = json.loads(Path(results(f"shipped-{shipped_hash}")[0]).read_text())["domai
 new = json.loads(Path(results(f"train-{round_}")[0]).read_text())["domains"]
 old_pooled, new_pooled = pooled(f"shipped-{shipped_hash}"), pooled(f"train-{round_}")
 history = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line]
-better = all(new_pooled[d]["tau"] > old_pooled[d]["tau"] for d in old_pooled)  # on every subset pooled
+better = all(new_pooled[d]["tau"] > old_pooled[d]["tau"] for d in old_pooled)  # pooled over the subsets
 entry = {"round": int(round_), "shipped_before": shipped_hash, "heldout_before": old, "heldout_after": new,
          "heldout_pooled_before": old_pooled, "heldout_pooled_after": new_pooled, "subset_seeds": [int(s) for s in seeds],
          "train_seconds": history[-1].get("train_s"), "steps": history[-1]["step"], "lr": float(sys.argv[7]),
