@@ -55,11 +55,11 @@ def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.to(coarse), b.to(coarse))
 
 
-first = models[0]
+first, first_shape = models[0], shape_of(models[0])
 for folder, model in zip(args.drafters[1:], models[1:]):
-    if shape_of(model) != shape_of(first):
-        differ = sorted(k for k in shape_of(first).keys() | shape_of(model).keys()
-                        if shape_of(first).get(k) != shape_of(model).get(k))
+    shape = shape_of(model)
+    if shape != first_shape:
+        differ = sorted(k for k in first_shape.keys() | shape.keys() if first_shape.get(k) != shape.get(k))
         parser.error(f"{folder} is not the same model as {args.drafters[0]}: config differs in {differ}")
     if first.config.draft_vocab_size and not torch.equal(model.d2t, first.d2t):
         parser.error(f"{folder} drafts over another vocabulary than {args.drafters[0]} (`d2t` differs)")

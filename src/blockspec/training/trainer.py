@@ -621,7 +621,7 @@ class Trainer:
                  "train_seconds": self.train_seconds, "position_accuracy": self.position_accuracy,
                  "config": asdict(self.config)}
         if self.ema is not None:  # the folder's drafter is the average; the live weights resume from here
-            state.update(live_model=self.model.state_dict(), ema_count=self.ema.n_averaged)
+            state["live_model"] = self.model.state_dict()
         with replace_dir(self.output / name) as staging:
             model.write_files(staging)
             torch.save(state, staging / "trainer_state.pt")
@@ -648,20 +648,20 @@ class Trainer:
         if self.ema is not None and "live_model" not in state:
             raise InvalidArgumentError(f"cannot resume {folder}: it was started without --ema-decay; drop it, or "
                                        "start a new --output")
+        live = restored.state_dict()
         if self.ema is not None:  # the folder holds the average, the state the live weights
-            self.ema.module.load_state_dict(restored.state_dict())
-            self.ema.n_averaged.copy_(state["ema_count"])
-            self.model.load_state_dict(state["live_model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        elif self.replica is None:
-            self.model.load_state_dict(restored.state_dict())
+            self.ema.module.load_state_dict(live)
+            self.ema.n_averaged.fill_(state["step"])  # one update per step
+            live = state["live_model"]
+        if self.replica is None:  # (ema_decay is refused under multi-process FSDP)
+            self.model.load_state_dict(live)
             self.optimizer.load_state_dict(state["optimizer"])
         else:  # every rank reads the full state and keeps its shard of it
             from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                                  set_optimizer_state_dict)
 
             full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, restored.state_dict(), options=full)
+            set_model_state_dict(self.model, live, options=full)
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=full)
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
