@@ -648,11 +648,11 @@ class Trainer:
         if self.ema is not None and "live_model" not in state:
             raise InvalidArgumentError(f"cannot resume {folder}: it was started without --ema-decay; drop it, or "
                                        "start a new --output")
-        live = restored.state_dict()
-        if self.ema is not None:  # the folder holds the average, the state the live weights
-            self.ema.module.load_state_dict(live)
+        saved = restored.state_dict()  # the folder's weights: the live ones, or with ema_decay their average
+        if self.ema is not None:  # the trainer state then holds the live weights
+            self.ema.module.load_state_dict(saved)
             self.ema.n_averaged.fill_(state["step"])  # one update per step
-            live = state["live_model"]
+        live = saved if self.ema is None else state["live_model"]
         if self.replica is None:  # (ema_decay is refused under multi-process FSDP)
             self.model.load_state_dict(live)
             self.optimizer.load_state_dict(state["optimizer"])
