@@ -122,7 +122,7 @@ def read_prompts(source: str, split: str = "train", limit: int | None = None) ->
     path = Path(source).expanduser()
     rows: list[dict]
     if path.is_file():
-        rows = _read_jsonl(path)
+        rows = read_jsonl(path)
     else:
         try:
             import datasets
@@ -145,7 +145,7 @@ def read_prompts(source: str, split: str = "train", limit: int | None = None) ->
     return prompts[:limit] if limit else prompts
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     rows = []
     with open(path) as handle:
         for number, line in enumerate(handle, 1):
@@ -215,11 +215,11 @@ def conversations(spec: str, target) -> list[list[dict]]:
         raise InvalidArgumentError(f"--follow-up {spec}: not a folder written by `blockspec data` (no prompts.jsonl)")
     check_data_target(folder, target)
     shard_size = json.loads((folder / "meta.json").read_text())["config"]["shard_size"]
-    prompts = [row["prompt"] for row in _read_jsonl(folder / "prompts.jsonl")]
+    prompts = [row["prompt"] for row in read_jsonl(folder / "prompts.jsonl")]
     found = []
     for shard in sorted(folder.glob("shard-*.jsonl")):  # shard i holds prompts i*size.. in order
         first = int(shard.stem.removeprefix("shard-")) * shard_size
-        for offset, record in enumerate(_read_jsonl(shard)):
+        for offset, record in enumerate(read_jsonl(shard)):
             prompt = prompts[first + offset]
             turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             found.append(turns + [{"role": "assistant", "content": target.decode(record["response_ids"]).strip()}])
@@ -239,7 +239,7 @@ def read_pairs(sources: list[str], limit: int | None = None) -> list[tuple[str, 
             raise InvalidArgumentError(f"--from-text reads JSONL files with a prompt and a response field: {source!r} "
                                        "is not a file")
         chosen = []
-        for index, row in enumerate(_read_jsonl(path)[start:stop], start):
+        for index, row in enumerate(read_jsonl(path)[start:stop], start):
             prompt = next((row[f] for f in PROMPT_FIELDS if isinstance(row.get(f), str)), None)
             response = next((row[f] for f in RESPONSE_FIELDS if isinstance(row.get(f), str)), None)
             if prompt is None or response is None:
@@ -362,18 +362,28 @@ def build_dataset(target, config: DataConfig) -> Path:
                 bar.set_postfix(tok_s=f"{new_tokens / elapsed:.0f}",
                                 eta=f"{(len(prompts) - bar.n) * elapsed / max(1, done) / 60:.0f}min")
             if features:
-                write_with(output / f"shard-{shard:05d}.features.safetensors",
-                           lambda path: save_file({str(i): features[i].contiguous() for i in features}, path))
-            if top:  # record i's top-k: "i.ids" and "i.probs", row r = response token r's distribution
-                write_with(output / f"shard-{shard:05d}.topk.safetensors",
-                           lambda path: save_file({f"{i}.{name}": part.contiguous() for i in top
-                                                   for name, part in zip(("ids", "probs"), top[i])}, path))
+                write_shard_features(output, shard, features)
+            if top:
+                write_shard_topk(output, shard, top)
             records = [{"prompt_ids": prompt_ids, "response_ids": responses[index]}
                        for index, prompt_ids in enumerate(encoded)]
             write_text(output / f"shard-{shard:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     print(f"dataset: {len(prompts)} prompts in {num_shards} shards at {output} "
           f"({new_tokens} tokens regenerated this run in {time.perf_counter() - started:.0f} s)")
     return output
+
+
+def write_shard_features(output: Path, shard: int, features: dict[int, torch.Tensor]) -> None:
+    """Shard `shard`'s features, record i's under key "i" (written atomically)."""
+    write_with(output / f"shard-{shard:05d}.features.safetensors",
+               lambda path: save_file({str(i): features[i].contiguous() for i in features}, path))
+
+
+def write_shard_topk(output: Path, shard: int, top: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Shard `shard`'s top-k: record i's "i.ids" and "i.probs", row r = response token r's distribution."""
+    write_with(output / f"shard-{shard:05d}.topk.safetensors",
+               lambda path: save_file({f"{i}.{name}": part.contiguous() for i in top
+                                       for name, part in zip(("ids", "probs"), top[i])}, path))
 
 
 def check_data_target(folder: Path, target) -> None:
@@ -412,7 +422,7 @@ def load_records(folders: str | os.PathLike | list) -> list[dict]:
         for shard in shards:
             features = shard.with_suffix(".features.safetensors")
             top = shard.with_suffix(".topk.safetensors")
-            for index, row in enumerate(_read_jsonl(shard)):
+            for index, row in enumerate(read_jsonl(shard)):
                 if not isinstance(row.get("prompt_ids"), list) or not isinstance(row.get("response_ids"), list):
                     raise InvalidArgumentError(f"{shard}: a record lacks prompt_ids / response_ids")
                 if layers and features.exists():
