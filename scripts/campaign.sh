@@ -54,6 +54,9 @@ part() { [[ "$PARTS" == *" $1 "* ]]; }
 TOPK=()
 [ "$ROUND" -ge 14 ] && TOPK=(--store-topk 8)
 mkdir -p "$C/eval"
+# keep FOLDER: its token ids packed to data/campaign/ (tracked: `runs/` goes with its machine; commit
+# the archive), scripts/campaign_archive.py
+keep() { .venv/bin/python scripts/campaign_archive.py pack "$1"; }
 
 # (1) this round's data: 800 new GSM8K train questions (after the 1,448 of the first two stages).
 # SKIP_DATA=1 trains on the shards finished so far (a data job still running adds the rest later).
@@ -70,7 +73,7 @@ else
 fi
 part math && $BS data --target default --output "$C/regen-math-$ROUND" "${MATH[@]}" \
     --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
-    --seed "$ROUND" --threads "$THREADS"
+    --seed "$ROUND" --threads "$THREADS" && keep "$C/regen-math-$ROUND"
 # The draft vocabulary is rebuilt from all rounds' data, so every round set must keep code in it:
 # rounds 3-4 had none and HumanEval coverage fell 98.5% -> 91.5%. From round 5 on, odd rounds
 # bring code and even rounds synthesize user turns. Round 5 regenerated the coding tasks; data is
@@ -88,7 +91,7 @@ else
   MIXED=(--synthesize 400)
 fi
 part mixed && $BS data --target default --output "$C/regen-mixed-$ROUND" "${MIXED[@]}" --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" \
-    --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" --seed "$ROUND" --threads "$THREADS"
+    --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" --seed "$ROUND" --threads "$THREADS" && keep "$C/regen-mixed-$ROUND"
 # From round 13 on, second turns: 200 of the round's user-turn conversations continued by a next
 # user turn the target writes, the answer regenerated (MT-Bench asks its second turn after the
 # model's own first answer; no round before had multi-turn data). Needs the round's mixed data.
@@ -96,6 +99,7 @@ if [ "$ROUND" -ge 13 ] && part followup; then
   $BS data --target default --output "$C/regen-followup-$ROUND" --follow-up "$C/regen-mixed-$ROUND[0:200]" \
       --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
+  keep "$C/regen-followup-$ROUND"
 fi
 # From round 10 on every round brings code AND user turns: a round may be all the data there is
 # (session 14 began on a new machine without runs/), and the draft vocabulary is rebuilt from the
@@ -119,6 +123,7 @@ if [ "$ROUND" -ge 10 ] && part code; then
       --prompts "$CODE_SOURCE" --prompt-format code \
       --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
+  keep "$C/regen-code-$ROUND"
 fi
 # From round 7 on, also 400 competition-math questions the target writes itself (MATH-500 was the
 # weakest dataset, and no MATH train split is reachable here): each starts with an opening of the
@@ -131,10 +136,16 @@ if [ "$ROUND" -ge 7 ] && part competition; then
   $BS data --target default --output "$C/regen-competition-$ROUND" --synthesize 400 "${OPENINGS[@]}" \
       --prompt-format math --max-new-tokens 256 --batch-size "$DATA_BATCH" --dtype "$DATA_DTYPE" --shard-size 64 --feature-layers $LAYERS "${TOPK[@]}" \
       --seed "$ROUND" --threads "$THREADS"
+  keep "$C/regen-competition-$ROUND"
 fi
 fi
 # DATA_ONLY=1 stops here: a spare thread can prepare the next round's data (resumable, shard by shard)
 if [ -n "${DATA_ONLY:-}" ]; then exit 0; fi
+# every round kept in data/campaign that this machine lacks (a new machine: all of them), its
+# features recomputed by a prefill pass (resumable)
+if ls data/campaign/*.tar.xz > /dev/null 2>&1; then
+  .venv/bin/python scripts/campaign_archive.py restore --threads "$THREADS"
+fi
 FOLDERS=$(for f in "$C"/regen-*-*/; do if ls "$f"shard-*.jsonl >/dev/null 2>&1; then echo "${f%/}"; fi; done \
     | sort | paste -sd, -)
 
