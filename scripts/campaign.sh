@@ -142,9 +142,9 @@ fi
 # DATA_ONLY=1 stops here: a spare thread can prepare the next round's data (resumable, shard by shard)
 if [ -n "${DATA_ONLY:-}" ]; then exit 0; fi
 # every round kept in data/campaign that this machine lacks (a new machine: all of them), its
-# features recomputed by a prefill pass (resumable)
+# features recomputed by a prefill pass in DATA_DTYPE (resumable)
 if ls data/campaign/*.tar.xz > /dev/null 2>&1; then
-  .venv/bin/python scripts/campaign_archive.py restore --threads "$THREADS"
+  .venv/bin/python scripts/campaign_archive.py restore --threads "$THREADS" --dtype "$DATA_DTYPE"
 fi
 FOLDERS=$(for f in "$C"/regen-*-*/; do if ls "$f"shard-*.jsonl >/dev/null 2>&1; then echo "${f%/}"; fi; done \
     | sort | paste -sd, -)

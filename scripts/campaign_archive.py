@@ -4,6 +4,7 @@ prefill pass of the target that recomputes their features and top-k (blockspec.t
 
     python scripts/campaign_archive.py pack runs/campaign/regen-math-28 [...]   # -> data/campaign/NAME.tar.xz
     python scripts/campaign_archive.py restore --threads 1                     # every archive not yet restored
+    python scripts/campaign_archive.py restore --dtype bfloat16                # faster on CPUs with AMX
     python scripts/campaign_archive.py restore data/campaign/regen-math-28.tar.xz
 
 `runs/` has been lost with its machine eight times in 35 sessions, and with it every round's data:
@@ -29,6 +30,8 @@ restore.add_argument("--into", type=Path, default=ROOT / "runs" / "campaign", he
 restore.add_argument("--target", default="default")
 restore.add_argument("--threads", type=int, default=1)
 restore.add_argument("--batch-size", type=int, default=4, help="records per prefill pass")
+restore.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                     help="the target's precision for the prefill: bfloat16 on CPUs with AMX (as data is written there)")
 args = parser.parse_args()
 
 from blockspec.errors import BlockspecError  # noqa: E402  (after argparse: --help stays fast)
@@ -45,7 +48,7 @@ try:
             parser.error("no archives given and none in data/campaign")
         from blockspec.targets.loading import load_target
 
-        target = load_target(args.target, threads=args.threads)
+        target = load_target(args.target, threads=args.threads, dtype=args.dtype)
         started = time.perf_counter()
         for archive in archives:
             folder = restore_dataset(archive, args.into / archive.name.removesuffix(SUFFIX), target, args.batch_size)
