@@ -151,3 +151,19 @@ ARM=r26-ema DATA_FOLDERS=$R20_24 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]
 .venv/bin/python scripts/average_drafters.py runs/soup/s5 runs/ab/{r23-base,r24-code,r24-all,r26-base,r26-ema}/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s5 \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r26-base/metrics.png
+# Stage 16 (session 35, an Intel Xeon with AMX, runs/ lost): rounds 28 and 29 in two bf16 lanes at batch 128,
+# each part packed into data/campaign as it finished (on a later machine `python scripts/campaign_archive.py
+# restore --dtype bfloat16` brings the folders back instead), two arms from stage 15 on them (lr 3e-4 and
+# 1e-4), and the mean of stage 15's weights and theirs shipped (docs/training.md, eleventh A/B).
+export DATA_DTYPE=bfloat16 DATA_BATCH=128
+scripts/data_lanes.sh "28:math" "28:code" "29:math" "29:code" &
+scripts/data_lanes.sh "28:mixed followup" "28:competition" "29:mixed followup" "29:competition"
+wait
+R28_29=$(ls -d runs/campaign/regen-*-2[89] | paste -sd, -)
+COMMON=(--time-budget-clock cpu --loss-weighting expected-length --keep-init-vocabulary true --precision bf16)
+ARM=r31-a DATA_FOLDERS=$R28_29 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 36
+ARM=r31-b DATA_FOLDERS=$R28_29 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 1e-4 --seed 37
+.venv/bin/python scripts/average_drafters.py runs/soup/s10c src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 \
+    runs/ab/r31-a/final runs/ab/r31-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s10c \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r31-b/metrics.png
