@@ -24,13 +24,13 @@ import tarfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from blockspec.atomic import replace_dir, write_with
 from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import compact_features, target_features
-from blockspec.training.data import check_data_target, read_jsonl, write_shard_features, write_shard_topk
+from blockspec.training.data import (check_data_target, read_jsonl, right_padded, write_shard_features,
+                                     write_shard_topk)
 
 KEPT = ("meta.json", "prompts.jsonl")  # beside the shard-*.jsonl files
 
@@ -124,14 +124,9 @@ def prefill_features(target, records: list[dict], layers: list[int] | None, top_
     top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     sequences = [torch.tensor(r["prompt_ids"] + r["response_ids"][:-1]) for r in records]
     order = sorted(range(len(records)), key=lambda i: sequences[i].numel())  # little padding per batch
-    device = target.device
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        width = max(sequences[i].numel() for i in chunk)
-        ids = torch.stack([F.pad(sequences[i], (0, width - sequences[i].numel())) for i in chunk]).to(device)
-        attention = torch.stack([F.pad(torch.ones_like(sequences[i]), (0, width - sequences[i].numel()))
-                                 for i in chunk]).to(device)
-        # right padding: every real token keeps its position; the padding after it is never attended
+        ids, attention = right_padded([sequences[i] for i in chunk], target.device)
         out = target.model(input_ids=ids, attention_mask=attention, output_hidden_states=bool(layers),
                            logits_to_keep=0 if top_k else 1)
         stacked = target_features(out.hidden_states, layers) if layers else None

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -371,6 +372,15 @@ def build_dataset(target, config: DataConfig) -> Path:
     print(f"dataset: {len(prompts)} prompts in {num_shards} shards at {output} "
           f"({new_tokens} tokens regenerated this run in {time.perf_counter() - started:.0f} s)")
     return output
+
+
+def right_padded(sequences: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as one right-padded batch (ids, attention mask) on `device`: every real token
+    keeps its position, and the padding after it is never attended."""
+    width = max(s.numel() for s in sequences)
+    ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
+    attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
+    return ids.to(device), attention.to(device)
 
 
 def write_shard_features(output: Path, shard: int, features: dict[int, torch.Tensor]) -> None:

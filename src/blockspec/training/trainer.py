@@ -39,7 +39,7 @@ from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import compact_features, target_features
 from blockspec.targets.loading import cpu_trains_faster_in_bf16
 from blockspec.training.config import TrainConfig
-from blockspec.training.data import check_data_target, load_records
+from blockspec.training.data import check_data_target, load_records, right_padded
 
 IGNORE = -100
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -386,10 +386,7 @@ class Trainer:
     def _padded(self, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The records' sequences, and as a right-padded batch (ids, attention mask) on the target's device."""
         sequences = [self.sequence(i)[0] for i in indices]
-        width = max(s.numel() for s in sequences)
-        ids = torch.stack([F.pad(s, (0, width - s.numel())) for s in sequences])
-        attention = torch.stack([F.pad(torch.ones_like(s), (0, width - s.numel())) for s in sequences])
-        return sequences, ids.to(self.target.device), attention.to(self.target.device)
+        return sequences, *right_padded(sequences, self.target.device)
 
     @torch.inference_mode()
     def features(self, indices: list[int]) -> list[torch.Tensor]:
