@@ -167,3 +167,14 @@ ARM=r31-b DATA_FOLDERS=$R28_29 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}"
     runs/ab/r31-a/final runs/ab/r31-b/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s10c \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r31-b/metrics.png
+# Stage 17 (session 36, the same Xeon, runs/ kept): round 30 in the same two lanes, then two arms from
+# stage 16 on rounds 28-30 (lr 3e-4, seeds 38 and 39); r32-b shipped alone, as it measured level with the
+# mean of stage 16 and both arms on seeds 1+2 and above it on seed 3 (docs/training.md, twelfth A/B).
+scripts/data_lanes.sh "30:math" "30:code" &
+scripts/data_lanes.sh "30:mixed followup" "30:competition"
+wait
+R28_30=$(ls -d runs/campaign/regen-*-{28,29,30} | paste -sd, -)
+ARM=r32-a DATA_FOLDERS=$R28_30 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 38
+ARM=r32-b DATA_FOLDERS=$R28_30 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 39
+.venv/bin/python scripts/ship_drafter.py runs/ab/r32-b/final \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r32-b/metrics.png
