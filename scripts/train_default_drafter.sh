@@ -178,3 +178,17 @@ ARM=r32-a DATA_FOLDERS=$R28_30 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}"
 ARM=r32-b DATA_FOLDERS=$R28_30 BUDGET_S=2400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 39
 .venv/bin/python scripts/ship_drafter.py runs/ab/r32-b/final \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r32-b/metrics.png
+# Stage 18 (session 38, an Intel Xeon with AMX, runs/ lost): round 31 written in session 36 in the same two
+# lanes; rounds 28-31 restored from data/campaign in bf16, two arms from stage 17 on all four (lr 3e-4,
+# seeds 42 and 43, 3,000 CPU-seconds each), and the mean of stage 17's weights and theirs shipped
+# (docs/training.md, fourteenth A/B).
+scripts/data_lanes.sh "31:mixed followup" "31:code" &
+scripts/data_lanes.sh "31:math" "31:competition"
+wait
+R28_31=$(ls -d runs/campaign/regen-*-{28,29,30,31} | paste -sd, -)
+ARM=r34-a DATA_FOLDERS=$R28_31 BUDGET_S=3000 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 42
+ARM=r34-b DATA_FOLDERS=$R28_31 BUDGET_S=3000 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 43
+.venv/bin/python scripts/average_drafters.py runs/soup/s13c src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 \
+    runs/ab/r34-a/final runs/ab/r34-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s13c \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r34-a/metrics.png
