@@ -192,3 +192,15 @@ ARM=r34-b DATA_FOLDERS=$R28_31 BUDGET_S=3000 scripts/recipe_ab.sh "${COMMON[@]}"
     runs/ab/r34-a/final runs/ab/r34-b/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s13c \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r34-a/metrics.png
+# Stage 19 (session 39, the same Xeon, runs/ kept): round 32 written in session 38 in two bf16 lanes at
+# batch 128; two arms from stage 18 on rounds 28-32 (lr 3e-4, seeds 44 and 45, 4,200 CPU-seconds each),
+# and the mean of their weights (without stage 18's) shipped (docs/training.md, fifteenth A/B).
+scripts/data_lanes.sh "32:mixed followup" "32:code" &
+scripts/data_lanes.sh "32:competition" "32:math"
+wait
+R28_32=$(ls -d runs/campaign/regen-*-{28,29,30,31,32} | paste -sd, -)
+ARM=r35-a DATA_FOLDERS=$R28_32 BUDGET_S=4200 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 44
+ARM=r35-b DATA_FOLDERS=$R28_32 BUDGET_S=4200 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 45
+.venv/bin/python scripts/average_drafters.py runs/soup/s14 runs/ab/r35-a/final runs/ab/r35-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s14 \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r35-a/metrics.png
