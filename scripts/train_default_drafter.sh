@@ -204,3 +204,16 @@ ARM=r35-b DATA_FOLDERS=$R28_32 BUDGET_S=4200 scripts/recipe_ab.sh "${COMMON[@]}"
 .venv/bin/python scripts/average_drafters.py runs/soup/s14 runs/ab/r35-a/final runs/ab/r35-b/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s14 \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r35-a/metrics.png
+# Stage 20 (session 40, the same Xeon, runs/ kept): round 33 written in session 39 in two bf16 lanes at
+# batch 128; two arms from stage 19 on rounds 28-33 (lr 3e-4 and 5e-4, seeds 46 and 47, 5,400
+# CPU-seconds each), and the mean of their weights (without stage 19's) shipped (docs/training.md,
+# sixteenth A/B).
+scripts/data_lanes.sh "33:mixed followup" "33:code" &
+scripts/data_lanes.sh "33:competition" "33:math"
+wait
+R28_33=$(ls -d runs/campaign/regen-*-{28,29,30,31,32,33} | paste -sd, -)
+ARM=r36-a DATA_FOLDERS=$R28_33 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 46
+ARM=r36-b DATA_FOLDERS=$R28_33 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 47
+.venv/bin/python scripts/average_drafters.py runs/soup/s15 runs/ab/r36-a/final runs/ab/r36-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s15 \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r36-b/metrics.png
