@@ -217,3 +217,16 @@ ARM=r36-b DATA_FOLDERS=$R28_33 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}"
 .venv/bin/python scripts/average_drafters.py runs/soup/s15 runs/ab/r36-a/final runs/ab/r36-b/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s15 \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r36-b/metrics.png
+# Stage 21 (session 41, the same Xeon, runs/ kept): round 34 written in session 40 in two bf16 lanes at
+# batch 128; two arms from stage 20 on rounds 28-34 (lr 5e-4 and 8e-4, seeds 48 and 49, 5,400
+# CPU-seconds each), and the mean of their weights (without stage 20's) shipped (docs/training.md,
+# seventeenth A/B).
+scripts/data_lanes.sh "34:mixed followup" "34:code" &
+scripts/data_lanes.sh "34:competition" "34:math"
+wait
+R28_34=$(ls -d runs/campaign/regen-*-{28,29,30,31,32,33,34} | paste -sd, -)
+ARM=r37-a DATA_FOLDERS=$R28_34 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 48
+ARM=r37-b DATA_FOLDERS=$R28_34 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 8e-4 --seed 49
+.venv/bin/python scripts/average_drafters.py runs/soup/s16 runs/ab/r37-a/final runs/ab/r37-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s16 \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r37-a/metrics.png
