@@ -4,7 +4,9 @@ campaign (a missing device, data or a run folder of another target)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from blockspec.errors import InvalidArgumentError
 from blockspec.targets.adapter import TargetAdapter, compact_features
 from blockspec.targets.loading import check_device
 from blockspec.training.methods.dflash import DFlashMethod
-from blockspec.training.trainer import Trainer
+from blockspec.training.trainer import Trainer, release_freed_memory
 from conftest import tiny_model, tiny_target
 from test_training import one_record, small_config
 
@@ -135,3 +137,24 @@ def test_data_or_a_run_folder_of_another_target_is_refused(tmp_path):
     Trainer(run, target, DFlashMethod()).run()
     with pytest.raises(InvalidArgumentError, match="cannot resume"):
         Trainer(small_config(tmp_path, data=str(data), num_layers=2), target, DFlashMethod()).run(resume=True)
+
+
+def _resident_anonymous_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "malloc_trim"),
+                    reason="glibc's malloc_trim and /proc")
+def test_the_heap_holes_a_step_leaves_go_back_to_the_os():
+    # 64 KiB blocks come from glibc's heap (under its mmap threshold); one kept block above
+    # them stops free() from shrinking the heap, as live tensors do between training steps
+    blocks = [bytearray(64 * 1024) for _ in range(2048)]  # 128 MiB, pages touched (zeroed)
+    kept = bytearray(64 * 1024)
+    freed_at = _resident_anonymous_bytes()
+    del blocks
+    held = _resident_anonymous_bytes()
+    assert held > freed_at - 32 * 2**20  # free() alone kept the holes
+    assert release_freed_memory()
+    assert _resident_anonymous_bytes() < held - 96 * 2**20
+    del kept
