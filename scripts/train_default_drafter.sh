@@ -230,3 +230,17 @@ ARM=r37-b DATA_FOLDERS=$R28_34 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}"
 .venv/bin/python scripts/average_drafters.py runs/soup/s16 runs/ab/r37-a/final runs/ab/r37-b/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s16 \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r37-a/metrics.png
+# Stage 22 (session 42, the same Xeon, runs/ kept): round 35 written in session 41 in two bf16 lanes at
+# batch 128; two arms from stage 21 on the newest five rounds, 31-35 (lr 5e-4, seeds 50 and 51, 5,400
+# CPU-seconds each), and the mean of stage 21's weights and theirs shipped (docs/training.md,
+# eighteenth A/B).
+scripts/data_lanes.sh "35:mixed followup" "35:code" &
+scripts/data_lanes.sh "35:competition" "35:math"
+wait
+R31_35=$(ls -d runs/campaign/regen-*-{31,32,33,34,35} | paste -sd, -)
+ARM=r38-a DATA_FOLDERS=$R31_35 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 50
+ARM=r38-b DATA_FOLDERS=$R31_35 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 51
+.venv/bin/python scripts/average_drafters.py runs/soup/s17c src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 \
+    runs/ab/r38-a/final runs/ab/r38-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s17c \
+    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r38-a/metrics.png
