@@ -192,55 +192,53 @@ ARM=r34-b DATA_FOLDERS=$R28_31 BUDGET_S=3000 scripts/recipe_ab.sh "${COMMON[@]}"
     runs/ab/r34-a/final runs/ab/r34-b/final
 .venv/bin/python scripts/ship_drafter.py runs/soup/s13c \
     src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r34-a/metrics.png
+# From stage 19 on, every stage takes the same steps; these helpers say them once.
+SHIPPED=src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16
+# write_round R: round R's data in the two one-thread bf16 lanes (runs/campaign/regen-*-R)
+write_round() {
+  scripts/data_lanes.sh "$1:mixed followup" "$1:code" &
+  scripts/data_lanes.sh "$1:competition" "$1:math"
+  wait
+}
+# rounds R...: those rounds' data folders, comma-separated, as recipe_ab.sh's DATA_FOLDERS
+rounds() { local round folders=(); for round in "$@"; do folders+=(runs/campaign/regen-*-"$round"); done
+  ls -d "${folders[@]}" | paste -sd, -; }
 # Stage 19 (session 39, the same Xeon, runs/ kept): round 32 written in session 38 in two bf16 lanes at
 # batch 128; two arms from stage 18 on rounds 28-32 (lr 3e-4, seeds 44 and 45, 4,200 CPU-seconds each),
 # and the mean of their weights (without stage 18's) shipped (docs/training.md, fifteenth A/B).
-scripts/data_lanes.sh "32:mixed followup" "32:code" &
-scripts/data_lanes.sh "32:competition" "32:math"
-wait
-R28_32=$(ls -d runs/campaign/regen-*-{28,29,30,31,32} | paste -sd, -)
+write_round 32
+R28_32=$(rounds 28 29 30 31 32)
 ARM=r35-a DATA_FOLDERS=$R28_32 BUDGET_S=4200 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 44
 ARM=r35-b DATA_FOLDERS=$R28_32 BUDGET_S=4200 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 45
 .venv/bin/python scripts/average_drafters.py runs/soup/s14 runs/ab/r35-a/final runs/ab/r35-b/final
-.venv/bin/python scripts/ship_drafter.py runs/soup/s14 \
-    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r35-a/metrics.png
+.venv/bin/python scripts/ship_drafter.py runs/soup/s14 $SHIPPED runs/ab/r35-a/metrics.png
 # Stage 20 (session 40, the same Xeon, runs/ kept): round 33 written in session 39 in two bf16 lanes at
 # batch 128; two arms from stage 19 on rounds 28-33 (lr 3e-4 and 5e-4, seeds 46 and 47, 5,400
 # CPU-seconds each), and the mean of their weights (without stage 19's) shipped (docs/training.md,
 # sixteenth A/B).
-scripts/data_lanes.sh "33:mixed followup" "33:code" &
-scripts/data_lanes.sh "33:competition" "33:math"
-wait
-R28_33=$(ls -d runs/campaign/regen-*-{28,29,30,31,32,33} | paste -sd, -)
+write_round 33
+R28_33=$(rounds 28 29 30 31 32 33)
 ARM=r36-a DATA_FOLDERS=$R28_33 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 3e-4 --seed 46
 ARM=r36-b DATA_FOLDERS=$R28_33 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 47
 .venv/bin/python scripts/average_drafters.py runs/soup/s15 runs/ab/r36-a/final runs/ab/r36-b/final
-.venv/bin/python scripts/ship_drafter.py runs/soup/s15 \
-    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r36-b/metrics.png
+.venv/bin/python scripts/ship_drafter.py runs/soup/s15 $SHIPPED runs/ab/r36-b/metrics.png
 # Stage 21 (session 41, the same Xeon, runs/ kept): round 34 written in session 40 in two bf16 lanes at
 # batch 128; two arms from stage 20 on rounds 28-34 (lr 5e-4 and 8e-4, seeds 48 and 49, 5,400
 # CPU-seconds each), and the mean of their weights (without stage 20's) shipped (docs/training.md,
 # seventeenth A/B).
-scripts/data_lanes.sh "34:mixed followup" "34:code" &
-scripts/data_lanes.sh "34:competition" "34:math"
-wait
-R28_34=$(ls -d runs/campaign/regen-*-{28,29,30,31,32,33,34} | paste -sd, -)
+write_round 34
+R28_34=$(rounds 28 29 30 31 32 33 34)
 ARM=r37-a DATA_FOLDERS=$R28_34 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 48
 ARM=r37-b DATA_FOLDERS=$R28_34 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 8e-4 --seed 49
 .venv/bin/python scripts/average_drafters.py runs/soup/s16 runs/ab/r37-a/final runs/ab/r37-b/final
-.venv/bin/python scripts/ship_drafter.py runs/soup/s16 \
-    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r37-a/metrics.png
+.venv/bin/python scripts/ship_drafter.py runs/soup/s16 $SHIPPED runs/ab/r37-a/metrics.png
 # Stage 22 (session 42, the same Xeon, runs/ kept): round 35 written in session 41 in two bf16 lanes at
 # batch 128; two arms from stage 21 on the newest five rounds, 31-35 (lr 5e-4, seeds 50 and 51, 5,400
 # CPU-seconds each), and the mean of stage 21's weights and theirs shipped (docs/training.md,
 # eighteenth A/B).
-scripts/data_lanes.sh "35:mixed followup" "35:code" &
-scripts/data_lanes.sh "35:competition" "35:math"
-wait
-R31_35=$(ls -d runs/campaign/regen-*-{31,32,33,34,35} | paste -sd, -)
+write_round 35
+R31_35=$(rounds 31 32 33 34 35)
 ARM=r38-a DATA_FOLDERS=$R31_35 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 50
 ARM=r38-b DATA_FOLDERS=$R31_35 BUDGET_S=5400 scripts/recipe_ab.sh "${COMMON[@]}" --lr 5e-4 --seed 51
-.venv/bin/python scripts/average_drafters.py runs/soup/s17c src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 \
-    runs/ab/r38-a/final runs/ab/r38-b/final
-.venv/bin/python scripts/ship_drafter.py runs/soup/s17c \
-    src/blockspec/checkpoints/smollm2-135m-instruct-dflash-b16 runs/ab/r38-a/metrics.png
+.venv/bin/python scripts/average_drafters.py runs/soup/s17c $SHIPPED runs/ab/r38-a/final runs/ab/r38-b/final
+.venv/bin/python scripts/ship_drafter.py runs/soup/s17c $SHIPPED runs/ab/r38-a/metrics.png
