@@ -131,6 +131,37 @@ def test_checkpoint_round_trip_reference_format(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
+@pytest.mark.parametrize("kernel", ["weight-first", "onednn"])
+def test_a_loaded_drafter_runs_its_head_in_the_machines_kernel_with_the_same_logits(tmp_path, monkeypatch, kernel):
+    from blockspec.drafters.registry import load_drafter
+    from blockspec.targets import linear_kernels
+
+    if kernel == "onednn" and not linear_kernels.onednn_available():
+        pytest.skip("this torch build has no oneDNN linear kernels")
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, kernel)
+    target = tiny_target("qwen3")
+    drafter = make(target)
+    drafter.model.save_pretrained(tmp_path / "d")
+    loaded = load_drafter(str(tmp_path / "d"), target)
+    # the head (borrowed from the target) is dispatched as the drafter's own Linears are
+    assert isinstance(loaded.head, linear_kernels.RowDispatchLinear)
+    assert isinstance(loaded.model.layers[0].mlp.gate_proj, linear_kernels.RowDispatchLinear)
+    assert not isinstance(drafter.head, linear_kernels.RowDispatchLinear)
+    assert not loaded.head.weight.requires_grad
+    prompt = torch.tensor([5, 17, 33, 2, 9, 40])
+    with torch.inference_mode():
+        target.reset()
+        features = target.forward(prompt, drafter.target_layer_ids).features
+    for width in (1, 7):  # one draft, and a block of 8 (the kernel the machine picks differs by rows)
+        logits = []
+        for d in (drafter, loaded):
+            d.begin(prompt, features)
+            block = torch.full((width + 1,), drafter.mask_token_id)
+            block[0] = prompt[-1]
+            logits.append(d.block_logits(block, prompt.numel() - 1))
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+
+
 def test_drafter_that_does_not_fit_the_target_is_refused(tmp_path):
     target = tiny_target("llama")
     other = tiny_target("llama", hidden=32)

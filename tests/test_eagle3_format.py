@@ -184,5 +184,5 @@ def test_an_eagle3_drafter_runs_from_its_folder(target, tmp_path):
     assert isinstance(load_drafter(str(tmp_path / "d"), target), Eagle3Drafter)
     # in another precision than the target's: the weights and the borrowed head alike
     drafter = load_drafter(str(tmp_path / "d"), target, dtype="bfloat16")
-    assert drafter.dtype == next(drafter.model.parameters()).dtype == drafter._head_weight.dtype == torch.bfloat16
+    assert drafter.dtype == next(drafter.model.parameters()).dtype == drafter.head.weight.dtype == torch.bfloat16
     assert target.dtype == torch.float32

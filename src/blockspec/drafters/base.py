@@ -30,6 +30,18 @@ def bind_to_target(model: torch.nn.Module, target, dtype: torch.dtype | None = N
     return model.eval()
 
 
+def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Linear:
+    """An inference-only `nn.Linear` around a head's (weight, bias) in `dtype`: a module, so that
+    the loader can run its product in the kernel this machine runs fastest, as the layers'
+    (on an AVX2 EPYC oneDNN took 2.8 ms where `F.linear` took 5.3 for 7 rows of an 8192-row head)."""
+    out_features, in_features = weight.shape
+    linear = torch.nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+    return linear
+
+
 class TargetBoundDrafter(Drafter):
     """A drafter with a small model of its own (a `DraftCheckpoint`) that reads the target's
     features and borrows its embedding and LM head: the fit check, the binding and the head,
@@ -46,9 +58,7 @@ class TargetBoundDrafter(Drafter):
         self.model = bind_to_target(model, target, self.dtype)
         self.target = target
         self.target_layer_ids = tuple(model.config.target_layer_ids)
-        head_weight, head_bias = self.model.head(target)
-        self._head_weight = head_weight.to(self.dtype)
-        self._head_bias = None if head_bias is None else head_bias.to(self.dtype)
+        self.head = frozen_linear(*self.model.head(target), dtype=self.dtype)
         self._d2t = getattr(self.model, "d2t", None)
 
     @staticmethod
@@ -68,7 +78,7 @@ class TargetBoundDrafter(Drafter):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary (the target's head, restricted)."""
-        return F.linear(hidden, self._head_weight, self._head_bias).float()
+        return self.head(hidden).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self._d2t is None else self._d2t[draft_ids]

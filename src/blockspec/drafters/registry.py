@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from blockspec.decoding.draft import Drafter
 from blockspec.drafters.dflash import load_dflash
 from blockspec.drafters.eagle3 import load_eagle3
@@ -82,8 +84,10 @@ def load_drafter(spec: str | None, target, **options) -> Drafter | None:
     for architecture in architectures:
         if architecture in CHECKPOINT_LOADERS:
             drafter = CHECKPOINT_LOADERS[architecture](folder, target, **options)
-            # its own Linear products in the kernels this machine runs fastest (as the target's;
-            # a loaded drafter only drafts: a model under an optimizer is never bound here)
-            speed_up_linears(drafter.model)
+            # its own Linear products and its head's in the kernels this machine runs fastest (as
+            # the target's; a loaded drafter only drafts: a model under an optimizer is never bound here)
+            products = torch.nn.ModuleDict({"model": drafter.model, "head": drafter.head})
+            speed_up_linears(products)
+            drafter.head = products["head"]
             return drafter
     raise DrafterNotFoundError(f"{folder}: unsupported drafter architectures {architectures}")
